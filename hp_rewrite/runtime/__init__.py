@@ -1,0 +1,49 @@
+"""The routed expert-parallel runtime: the public API that generated code calls.
+
+router -> :func:`dispatch` (all-to-all to the ranks owning the experts) -> local experts (grouped
+GEMM) -> :func:`experts_and_combine` (all-to-all back, weighted sum) -> :func:`merge_shared`.
+Everything here is typed and takes its settings as arguments; nothing reads the environment.
+"""
+
+from .capacity import CapacityResult, apply_capacity, expert_capacity
+from .comm import PendingExchange, all_to_all, all_to_all_async
+from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward
+from .errors import ExpertParallelError
+from .experts import ExpertsLayout, LocalBatch, local_experts_forward, resolve_compute, shard_experts
+from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
+from .install import ExpertParallelBinding, install_expert_parallel
+from .options import RuntimeOptions
+from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
+from .shared import SHARED_MODES, merge_shared
+
+__all__ = [
+    "CapacityResult",
+    "DispatchStats",
+    "ExpertParallelBinding",
+    "ExpertParallelError",
+    "ExpertParallelGroup",
+    "ExpertPlacement",
+    "ExpertsLayout",
+    "LocalBatch",
+    "PendingExchange",
+    "RoutedDispatch",
+    "RouterOutput",
+    "RuntimeOptions",
+    "SHARED_MODES",
+    "all_to_all",
+    "all_to_all_async",
+    "apply_capacity",
+    "build_expert_parallel_group",
+    "call_router_module",
+    "dispatch",
+    "expert_capacity",
+    "experts_and_combine",
+    "install_expert_parallel",
+    "local_experts_forward",
+    "merge_shared",
+    "moe_forward",
+    "resolve_compute",
+    "shard_experts",
+    "sigmoid_group",
+    "softmax_topk",
+]

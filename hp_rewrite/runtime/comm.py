@@ -1,0 +1,125 @@
+"""All-to-all exchange with autograd, synchronous or with the wait deferred to first use.
+
+Works on any backend with ``all_to_all_single`` and uneven splits (gloo, nccl, hccl). The backward of
+an exchange is the reverse exchange (the split sizes swap), so gradients return to the rank that sent
+each row. Ranks that send or receive zero rows still take part in every collective, so the sequence of
+collectives is identical on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+
+def _exchange(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, async_op: bool
+) -> tuple[torch.Tensor, dist.Work | None]:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(
+        out,
+        x.contiguous(),
+        output_split_sizes=out_splits,
+        input_split_sizes=in_splits,
+        group=group,
+        async_op=async_op,
+    )
+    return out, work
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out, _ = _exchange(x, out_splits, in_splits, group, async_op=False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        g, _ = _exchange(grad, in_splits, out_splits, ctx.group, async_op=False)
+        return g, None, None, None
+
+
+class PendingExchange:
+    """An exchange in flight. ``wait()`` blocks until it is done and returns the received rows.
+
+    Waiting is idempotent; the returned tensor carries autograd back through the reverse exchange.
+    """
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+        self.buffer: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            assert self.buffer is not None
+            self._result = _AllToAllWait.apply(self.buffer, self)
+        return self._result
+
+
+class _AllToAllStart(Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, pending):  # type: ignore[override]
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out, work = _exchange(x, out_splits, in_splits, group, async_op=True)
+        pending.work = work
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        g, _ = _exchange(grad, in_splits, out_splits, ctx.group, async_op=False)
+        return g, None, None, None, None
+
+
+class _AllToAllWait(Function):
+    @staticmethod
+    def forward(ctx, buffer, pending):  # type: ignore[override]
+        if pending.work is not None:
+            pending.work.wait()
+            pending.work = None
+        return buffer.view_as(buffer)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _Ready(PendingExchange):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self._result = value
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Differentiable all-to-all of the rows of ``x`` (``in_splits[r]`` rows go to rank r)."""
+    if group is None:
+        return x
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def all_to_all_async(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> PendingExchange:
+    """Start a differentiable all-to-all and return at once; ``.wait()`` at first use of the result."""
+    if group is None:
+        return _Ready(x)
+    pending = PendingExchange()
+    pending.buffer = _AllToAllStart.apply(x, list(out_splits), list(in_splits), group, pending)
+    return pending
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable."""
+    if group is None:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

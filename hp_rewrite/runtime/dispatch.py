@@ -1,0 +1,231 @@
+"""The routed pipeline: dispatch -> local experts -> combine, one-call or two-phase, chunked or not.
+
+Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``E`` experts):
+
+1. capacity (optional): drop slots beyond each expert's capacity (same on every path);
+2. per chunk: sort the ``T*K`` routed slots by expert id. Experts are owned by consecutive ranks, so this
+   is also the order by (destination rank, expert);
+3. count exchange: every rank learns how many rows each source sends to each of its experts, for all
+   chunks at once; one host sync per layer reads all split sizes;
+4. token exchange (async when ``overlap``): rows travel to the ranks that own their experts;
+5. local experts: received rows are regrouped expert-major and run through grouped GEMMs;
+6. reverse exchange, and on the sending rank ``sum_k weight[t,k] * y[t,k]``, accumulated in the
+   promoted dtype of (outputs, weights) and cast back to the hidden dtype, like transformers'
+   ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
+   exact.
+
+Two-phase use (the shared expert overlaps the in-flight dispatch)::
+
+    state = dispatch(x, indices, weights, num_experts=E, ep=ep, options=opts)
+    shared = shared_expert(x)
+    routed = experts_and_combine(state, experts)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import comm
+from .capacity import apply_capacity
+from .experts import LocalBatch, local_experts_forward
+from .groups import ExpertParallelGroup, ExpertPlacement
+from .options import RuntimeOptions
+
+
+@dataclass
+class DispatchStats:
+    """What one layer's dispatch did. Tensors stay on the device (no extra host sync); ints are host
+    values already known from the split-size sync.
+
+    tokens_per_expert: [E] slots this rank routed to each expert (after capacity).
+    dropped_per_expert: [E] slots this rank dropped for capacity (zeros when dropless).
+    rows_sent / rows_received: rows this rank sent / received in the dispatch exchange (to and from
+        itself included); the combine exchange moves the same counts back.
+    bytes_sent / bytes_received: the same in bytes, dispatch direction (combine is symmetric).
+    """
+
+    tokens_per_expert: torch.Tensor
+    dropped_per_expert: torch.Tensor
+    rows_sent: int = 0
+    rows_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class _Chunk:
+    tokens: slice
+    rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped slots excluded
+    send_splits: list[int]
+    recv_splits: list[int]
+    local_counts: list[int]  # received rows per local expert, all sources
+    to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1)
+    exchange: comm.PendingExchange | None = None
+
+
+@dataclass
+class RoutedDispatch:
+    """Pending state between :func:`dispatch` and :func:`experts_and_combine`."""
+
+    ep: ExpertParallelGroup
+    options: RuntimeOptions
+    num_tokens: int
+    top_k: int
+    hidden_shape: torch.Size
+    hidden_dtype: torch.dtype
+    weights: torch.Tensor
+    chunks: list[_Chunk]
+    stats: DispatchStats
+    done: bool = field(default=False)
+
+
+def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
+    base, extra = divmod(num_tokens, chunks)
+    bounds, start = [], 0
+    for c in range(chunks):
+        end = start + base + (1 if c < extra else 0)
+        bounds.append(slice(start, end))
+        start = end
+    return bounds
+
+
+def _expert_major_positions(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
+    """For rows received in (source rank, local expert) order, their position in (expert, source) order."""
+    flat = recv_counts.reshape(-1)
+    src_major_end = flat.cumsum(0)
+    src_major_start = src_major_end - flat
+    em = recv_counts.t().reshape(-1)  # (expert, source) order
+    em_start = (em.cumsum(0) - em).view(recv_counts.shape[1], recv_counts.shape[0]).t().reshape(-1)
+    rows = torch.arange(total, device=recv_counts.device)
+    seg = torch.searchsorted(src_major_end, rows, right=True)
+    return em_start[seg] + rows - src_major_start[seg]
+
+
+def dispatch(
+    hidden: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    num_experts: int,
+    ep: ExpertParallelGroup,
+    options: RuntimeOptions,
+) -> RoutedDispatch:
+    """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids)."""
+    placement = ExpertPlacement(num_experts, ep.size, ep.rank)
+    n_local = placement.num_local
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    num_tokens, top_k = indices.shape
+    indices = indices.long()
+    if options.capacity_factor is not None:
+        capped = apply_capacity(
+            indices,
+            weights,
+            num_experts,
+            options.capacity_factor,
+            options.drop_policy,
+            options.renormalize_kept,
+        )
+        indices, weights, dropped = capped
+    else:
+        dropped = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
+
+    bounds = _chunk_bounds(num_tokens, options.chunks)
+    orders, counts = [], []
+    for b in bounds:
+        flat = indices[b].reshape(-1)
+        orders.append(torch.sort(flat, stable=True).indices)
+        counts.append(torch.bincount(flat, minlength=num_experts + 1)[:num_experts])
+    counts_all = torch.stack(counts)  # [chunks, E]
+    per_dest = counts_all.view(len(bounds), ep.size, n_local)
+    recv = comm.exchange_counts(per_dest.transpose(0, 1).contiguous(), ep.group)  # [src, chunks, local]
+    # The one host sync of the layer: every split size of every chunk.
+    host = torch.cat([per_dest.sum(-1).reshape(-1), recv.reshape(-1)]).tolist()
+    n_chunks = len(bounds)
+    send_host = host[: n_chunks * ep.size]
+    recv_host = host[n_chunks * ep.size :]
+
+    row_bytes = hidden.shape[-1] * hidden.element_size()
+    stats = DispatchStats(counts_all.sum(0), dropped)
+    chunks = []
+    for c, b in enumerate(bounds):
+        send_splits = send_host[c * ep.size : (c + 1) * ep.size]
+        recv_cells = [
+            recv_host[(s * n_chunks + c) * n_local : (s * n_chunks + c + 1) * n_local] for s in range(ep.size)
+        ]
+        recv_splits = [sum(cell) for cell in recv_cells]
+        local_counts = [sum(cell[e] for cell in recv_cells) for e in range(n_local)]
+        rows = orders[c][: sum(send_splits)]
+        to_em = None
+        if ep.size > 1:
+            to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
+        chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
+        send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
+        if options.overlap:
+            chunk.exchange = comm.all_to_all_async(send_x, recv_splits, send_splits, ep.group)
+        else:
+            chunk.exchange = comm._Ready(comm.all_to_all(send_x, recv_splits, send_splits, ep.group))
+        stats.rows_sent += len(rows)
+        stats.rows_received += sum(recv_splits)
+        chunks.append(chunk)
+    stats.bytes_sent = stats.rows_sent * row_bytes
+    stats.bytes_received = stats.rows_received * row_bytes
+    return RoutedDispatch(ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats)
+
+
+def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
+    if via_call and getattr(experts, "hp_expert_parallel", None) is not None:
+        return experts(batch)  # through __call__: FSDP and other module hooks fire
+    return local_experts_forward(experts, batch, getattr(experts, "hp_layout", None))
+
+
+def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: bool = True) -> torch.Tensor:
+    """Run the local experts on the received rows, send results back and combine them: ``[T, H]``.
+
+    Chunk c's experts run while chunk c+1's dispatch and chunk c-1's combine are in flight.
+    """
+    if state.done:
+        raise RuntimeError("experts_and_combine called twice on the same dispatch state")
+    state.done = True
+    ep, opts = state.ep, state.options
+    combines = []
+    for chunk in state.chunks:
+        x = chunk.exchange.wait()
+        if chunk.to_expert_major is not None:
+            order = torch.empty_like(chunk.to_expert_major)
+            order[chunk.to_expert_major] = torch.arange(len(order), device=order.device)
+            x = x.index_select(0, order)
+        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute), via_call)
+        if chunk.to_expert_major is not None:
+            y = y.index_select(0, chunk.to_expert_major)
+        if opts.overlap:
+            combines.append(comm.all_to_all_async(y, chunk.send_splits, chunk.recv_splits, ep.group))
+        else:
+            combines.append(comm._Ready(comm.all_to_all(y, chunk.send_splits, chunk.recv_splits, ep.group)))
+    outs = []
+    k, hidden_size = state.top_k, state.hidden_shape[-1]
+    for chunk, pending in zip(state.chunks, combines, strict=True):
+        y_sorted = pending.wait()
+        n_tok = chunk.tokens.stop - chunk.tokens.start
+        slots = y_sorted.new_zeros((n_tok * k, hidden_size)).index_copy(0, chunk.rows, y_sorted)
+        w = state.weights[chunk.tokens]
+        outs.append((slots.view(n_tok, k, hidden_size) * w.unsqueeze(-1)).sum(dim=1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.to(state.hidden_dtype)
+
+
+def moe_forward(
+    hidden: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    experts: nn.Module,
+    *,
+    num_experts: int,
+    ep: ExpertParallelGroup,
+    options: RuntimeOptions,
+) -> torch.Tensor:
+    """One call: dispatch, local experts, combine. Same numerics as the two-phase API."""
+    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options)
+    return experts_and_combine(state, experts)

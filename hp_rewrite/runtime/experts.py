@@ -1,0 +1,261 @@
+"""Local expert compute over the experts this rank owns, for every transformers weight layout.
+
+The rows arrive grouped by local expert (``counts[e]`` rows for expert e, in order). The gate/up and
+down projections run as grouped GEMMs (``torch.nn.functional.grouped_mm``, or ``npu_grouped_matmul``
+on Ascend) or as a per-expert loop. The activation always comes from the experts module: its
+``_apply_gate`` (clamped SwiGLU, gpt-oss alpha/limit, softcap, interleaved gate/up...) or its
+``act_fn``; nothing here assumes silu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import npu
+from .errors import ExpertParallelError
+
+# Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).
+_SEPARATE_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Where an experts holder keeps its weights and how to apply them.
+
+    kind: ``fused`` (``gate_up_proj``, or ``up_proj`` when not gated, + ``down_proj``) or ``separate``
+        (``gate_proj/up_proj/down_proj`` or ``w1/w3/w2``, each 3-D).
+    transposed: weights stored ``[E, in, out]`` instead of ``[E, out, in]``.
+    """
+
+    kind: str
+    up: str
+    down: str
+    gate: str | None = None
+    gated: bool = True
+    transposed: bool = False
+    up_bias: str | None = None
+    down_bias: str | None = None
+    gate_bias: str | None = None
+    post_norm: bool = False
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        names = [n for n in (self.gate, self.up, self.down) if n]
+        return tuple(names + [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b])
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ExpertsLayout:
+        """Read the layout from the module's parameters and its ``use_experts_implementation`` flags."""
+        params = dict(module.named_parameters(recurse=False))
+
+        def bias(name: str) -> str | None:
+            return f"{name}_bias" if f"{name}_bias" in params else None
+
+        for gate, up, down in _SEPARATE_NAMES:
+            if gate in params and up in params and down in params:
+                transposed = getattr(module, "is_transposed", None)
+                if transposed is None:
+                    transposed = params[gate].shape[1] == params[down].shape[2] and not (
+                        params[gate].shape[2] == params[down].shape[1]
+                    )
+                return cls(
+                    "separate",
+                    up,
+                    down,
+                    gate,
+                    True,
+                    bool(transposed),
+                    bias(up),
+                    bias(down),
+                    bias(gate),
+                    bool(getattr(module, "has_post_expert_norm", False)),
+                )
+        if "down_proj" not in params or not ({"gate_up_proj", "up_proj"} & params.keys()):
+            raise ExpertParallelError(
+                f"{type(module).__name__}: no expert weights found; expected 3-D gate_up_proj (or up_proj) + "
+                f"down_proj, gate_proj/up_proj/down_proj or w1/w3/w2, got {sorted(params)}"
+            )
+        gated = bool(getattr(module, "has_gate", "gate_up_proj" in params))
+        up = "gate_up_proj" if gated else "up_proj"
+        if up not in params:
+            raise ExpertParallelError(f"{type(module).__name__}: has_gate={gated} but no {up} parameter")
+        transposed = getattr(module, "is_transposed", None)
+        if transposed is None:  # undecorated holder: infer from shapes ([E,out,in] vs [E,in,out])
+            transposed = params[up].shape[1] == params["down_proj"].shape[2] and not (
+                params[up].shape[2] == params["down_proj"].shape[1]
+            )
+        return cls(
+            "fused",
+            up,
+            "down_proj",
+            None,
+            gated,
+            bool(transposed),
+            bias(up),
+            bias("down_proj"),
+            None,
+            bool(getattr(module, "has_post_expert_norm", False)),
+        )
+
+
+@dataclass
+class LocalBatch:
+    """Rows for this rank's experts, grouped by local expert.
+
+    counts: rows per local expert (host ints, known from the one split-size sync per layer).
+    offsets: cumulative counts on the device (int32), as grouped GEMMs want them.
+    """
+
+    hidden: torch.Tensor
+    counts: list[int]
+    offsets: torch.Tensor
+    compute: str = "auto"
+
+    @classmethod
+    def from_counts(cls, hidden: torch.Tensor, counts: list[int], compute: str = "auto") -> LocalBatch:
+        offsets = (
+            torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=hidden.device, dtype=torch.int32)
+        )
+        return cls(hidden, list(counts), offsets, compute)
+
+    def row_experts(self) -> torch.Tensor:
+        """Local expert id of every row (only needed for per-expert biases)."""
+        n = self.hidden.shape[0]
+        rows = torch.arange(n, device=self.hidden.device, dtype=torch.int32)
+        return torch.searchsorted(self.offsets, rows, right=True)
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) runs for this device/dtype."""
+    if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    if x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (grouped_mm's backward rejects expanded grads)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, w_in_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return _ContiguousGrad.apply(mm(x, w_in_out, offs=offsets))
+
+
+def _project(
+    batch: LocalBatch,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transposed: bool,
+    kind: str,
+    row_experts: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
+    w_in_out = weight if transposed else weight.transpose(1, 2)
+    if kind == "npu":
+        out = npu.grouped_matmul(x, w_in_out, batch.counts)
+    elif kind == "grouped":
+        out = _grouped_mm(x, w_in_out, batch.offsets)
+    else:
+        pieces = [xe @ we for xe, we in zip(x.split(batch.counts), w_in_out.unbind(0), strict=True)]
+        out = torch.cat(pieces) if pieces else x.new_empty((0, w_in_out.shape[-1]))
+    if bias is not None:
+        out = out + bias.index_select(0, row_experts)
+    return out
+
+
+def resolve_compute(requested: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Map ``auto|grouped|eager`` to the kernel that runs here: ``npu``, ``grouped`` or ``eager``."""
+    if requested == "eager":
+        return "eager"
+    if x.device.type == "npu" and npu.available():
+        return "npu"
+    if grouped_mm_supported(x, weight):
+        return "grouped"
+    if requested == "grouped":
+        raise ExpertParallelError(
+            f"compute=grouped: no grouped GEMM for {x.dtype} on {x.device.type} here; use compute auto or eager"
+        )
+    return "eager"
+
+
+def local_experts_forward(
+    module: nn.Module, batch: LocalBatch, layout: ExpertsLayout | None = None
+) -> torch.Tensor:
+    """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert."""
+    layout = layout or ExpertsLayout.of(module)
+    x = batch.hidden
+    up = getattr(module, layout.up)
+    kind = resolve_compute(batch.compute, x, up)
+    has_bias = layout.up_bias or layout.down_bias or layout.gate_bias
+    rows = batch.row_experts() if has_bias else None
+
+    def bias(name: str | None) -> torch.Tensor | None:
+        return getattr(module, name) if name else None
+
+    if layout.kind == "separate":
+        g = _project(
+            batch, x, getattr(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows
+        )
+        u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows)
+        if hasattr(module, "_apply_gate"):
+            h = module._apply_gate(torch.cat([g, u], dim=-1))
+        else:
+            h = module.act_fn(g) * u
+    else:
+        h = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows)
+        if layout.gated:
+            h = module._apply_gate(h) if hasattr(module, "_apply_gate") else _default_gate(module, h)
+        else:
+            h = module.act_fn(h)
+    y = _project(
+        batch, h, getattr(module, layout.down), bias(layout.down_bias), layout.transposed, kind, rows
+    )
+    if layout.post_norm:
+        y = module.post_expert_norm(y)
+    return y
+
+
+def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def shard_experts(module: nn.Module, num_experts: int, first: int, count: int) -> None:
+    """Keep only experts ``[first, first + count)`` in the holder's per-expert parameters (dim 0 = expert).
+
+    Used when a full module was built (tests, EP=1 -> EP=n); the loader (issue: load-time integration)
+    reads only local experts instead.
+    """
+    layout = ExpertsLayout.of(module)
+    for name in layout.weight_names:
+        p = getattr(module, name)
+        if p.shape[0] != num_experts:
+            raise ExpertParallelError(
+                f"{type(module).__name__}.{name} has {p.shape[0]} rows in dim 0, expected num_experts={num_experts}"
+            )
+        setattr(
+            module,
+            name,
+            nn.Parameter(p.detach()[first : first + count].clone(), requires_grad=p.requires_grad),
+        )
+    if hasattr(module, "num_experts"):
+        module.num_experts = count

@@ -1,0 +1,77 @@
+"""Turn an experts holder into an expert-parallel one, in place.
+
+After :func:`install_expert_parallel` the module keeps only its local experts and its ``forward``
+accepts either
+
+* the transformers experts contract ``(hidden [T,H], top_k_index [T,K], top_k_weights [T,K]) -> [T,H]``
+  with *global* expert ids: the whole routed pipeline runs inside the call (experts-level rewrite, the
+  model's own router and shared code stay as they are); or
+* a :class:`LocalBatch` from :func:`experts_and_combine`: only the local expert compute (block-level
+  rewrite; calling through the module keeps FSDP hooks firing).
+
+The original bound forward stays reachable as ``module.hp_original_forward``.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .dispatch import dispatch, experts_and_combine
+from .experts import ExpertsLayout, LocalBatch, local_experts_forward, shard_experts
+from .groups import ExpertParallelGroup, ExpertPlacement
+from .options import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class ExpertParallelBinding:
+    """What an installed experts holder knows about its EP setting."""
+
+    ep: ExpertParallelGroup
+    placement: ExpertPlacement
+    options: RuntimeOptions
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+
+def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None) -> torch.Tensor:
+    if isinstance(hidden, LocalBatch):
+        return local_experts_forward(self, hidden, self.hp_layout)
+    binding: ExpertParallelBinding = self.hp_expert_parallel
+    state = dispatch(
+        hidden,
+        top_k_index,
+        top_k_weights,
+        num_experts=binding.num_experts,
+        ep=binding.ep,
+        options=binding.options,
+    )
+    return experts_and_combine(state, self, via_call=False)
+
+
+def install_expert_parallel(
+    experts: nn.Module,
+    *,
+    num_experts: int,
+    ep: ExpertParallelGroup,
+    options: RuntimeOptions | None = None,
+    shard: bool = True,
+) -> nn.Module:
+    """Make ``experts`` expert-parallel. ``shard=False`` when it already holds only its local experts."""
+    options = options or RuntimeOptions()
+    placement = ExpertPlacement(num_experts, ep.size, ep.rank)
+    layout = ExpertsLayout.of(experts)
+    if getattr(experts, "hp_expert_parallel", None) is not None:
+        raise RuntimeError(f"{type(experts).__name__} is already expert-parallel")
+    if shard and ep.size > 1:
+        shard_experts(experts, num_experts, placement.first_local, placement.num_local)
+    experts.hp_layout = layout
+    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options)
+    experts.hp_original_forward = experts.forward
+    experts.forward = types.MethodType(_expert_parallel_forward, experts)
+    return experts

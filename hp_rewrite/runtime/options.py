@@ -1,0 +1,57 @@
+"""Typed runtime knobs. Every knob is passed in explicitly: nothing is read from the environment."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from .errors import ExpertParallelError
+
+ComputeKind = Literal["auto", "grouped", "eager"]
+DropPolicy = Literal["probs", "position"]
+
+COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager")
+DROP_POLICIES: tuple[str, ...] = ("probs", "position")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How the routed runtime dispatches and computes.
+
+    compute: ``grouped`` uses ``torch.nn.functional.grouped_mm`` (or ``npu_grouped_matmul`` on Ascend),
+        ``eager`` a per-expert loop, ``auto`` picks grouped where the device and dtype support it.
+    chunks: split the local tokens into this many chunks; chunk c's expert GEMMs overlap chunk c+1's
+        all-to-all. 1 = no chunking.
+    overlap: issue the dispatch all-to-all asynchronously and wait at first use, so the shared expert
+        (or the previous chunk) computes while the exchange is in flight.
+    capacity_factor: None = dropless. Otherwise each expert keeps at most
+        ``ceil(capacity_factor * tokens * top_k / num_experts)`` slots of each source rank.
+    drop_policy: which slots an expert keeps when over capacity: ``probs`` (highest routing weight)
+        or ``position`` (earliest tokens). Ties go to the earlier (token, slot).
+    renormalize_kept: after dropping, rescale each token's kept weights to the sum they had before.
+    """
+
+    compute: ComputeKind = "auto"
+    chunks: int = 1
+    overlap: bool = True
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+    renormalize_kept: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_KINDS:
+            raise ExpertParallelError(f"compute={self.compute!r}: choose one of {', '.join(COMPUTE_KINDS)}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ExpertParallelError(f"chunks={self.chunks!r}: must be an integer >= 1")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0):
+            raise ExpertParallelError(
+                f"capacity_factor={self.capacity_factor!r}: must be > 0, or null for dropless routing"
+            )
+        if self.drop_policy not in DROP_POLICIES:
+            raise ExpertParallelError(
+                f"drop_policy={self.drop_policy!r}: choose one of {', '.join(DROP_POLICIES)}"
+            )
+
+    def as_dict(self) -> dict:
+        """Plain dict, stable key order (used in artifact hashes)."""
+        return asdict(self)

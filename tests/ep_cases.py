@@ -1,0 +1,402 @@
+"""Expert-parallel parity cases, run on every rank of a real gloo world (see hp_rewrite/launch.py).
+
+Each case builds an unmodified transformers MoE block (or, for layouts no transformers 5.x class
+uses, a small module with its own plain reference), runs it with *all* experts on the global batch
+as the reference, then runs the expert-parallel version on this rank's slice of the batch and
+compares the output and every gradient: input, router, each expert's weights on the owning rank,
+shared expert and shared gate. Gradients of replicated parameters are summed over the world (the
+loss is a sum over the global batch), expert gradients over the ranks holding the same experts.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hp_rewrite.runtime import (
+    ExpertsLayout,
+    RuntimeOptions,
+    apply_capacity,
+    build_expert_parallel_group,
+    call_router_module,
+    dispatch,
+    experts_and_combine,
+    install_expert_parallel,
+    merge_shared,
+    moe_forward,
+    sigmoid_group,
+    softmax_topk,
+)
+
+H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
+FP32_TOL = 1e-5
+BF16_TOL = 3e-2  # relative to the largest reference magnitude; bf16 has 8 mantissa bits
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts no transformers 5.x class stores in memory: separate 3-D gate/up/down (or w1/w3/w2).
+class SeparateExperts(nn.Module):
+    def __init__(self, names=("gate_proj", "up_proj", "down_proj"), transposed=False):
+        super().__init__()
+        self.names, self.transposed = names, transposed
+        g, u, d = names
+        shape_in = (E, H, I) if transposed else (E, I, H)
+        shape_out = (E, I, H) if transposed else (E, H, I)
+        setattr(self, g, nn.Parameter(torch.randn(shape_in) * 0.2))
+        setattr(self, u, nn.Parameter(torch.randn(shape_in) * 0.2))
+        setattr(self, d, nn.Parameter(torch.randn(shape_out) * 0.2))
+        self.num_experts = E
+        self.is_transposed = transposed
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden, top_k_index, top_k_weights):  # plain per-slot reference
+        g, u, d = (getattr(self, n) for n in self.names)
+        out = torch.zeros_like(hidden)
+        for t in range(hidden.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                x = hidden[t]
+                if self.transposed:
+                    y = (self.act_fn(x @ g[e]) * (x @ u[e])) @ d[e]
+                else:
+                    y = d[e] @ (self.act_fn(g[e] @ x) * (u[e] @ x))
+                out[t] = out[t] + y * top_k_weights[t, k]
+        return out
+
+
+class SeparateBlock(nn.Module):
+    def __init__(self, names, transposed=False):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = SeparateExperts(names, transposed)
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        r = softmax_topk(self.gate(h), 2, renormalize=True)
+        return self.experts(h, r.indices, r.weights).view_as(x)
+
+
+# ----------------------------------------------------------------------------------------------
+def _randomize(module: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.02 if "bias" in name else 0.2))
+        for _, b in module.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+
+
+def build_block(family: str) -> nn.Module:
+    """A tiny unmodified MoE block, fp32, experts implementation = transformers eager loop."""
+    torch.manual_seed(0)
+    if family in ("qwen3", "qwen3_contract"):
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as B
+
+        cfg = Qwen3MoeConfig(
+            hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2, norm_topk_prob=True
+        )
+    elif family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as B
+
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    elif family == "qwen2":
+        from transformers import Qwen2MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as B
+
+        cfg = Qwen2MoeConfig(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            shared_expert_intermediate_size=24,
+            num_experts=E,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )
+    elif family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as B
+
+        cfg = DeepseekV3Config(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as B
+
+        cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    elif family == "aria":
+        from transformers import AriaTextConfig
+        from transformers.models.aria.modeling_aria import AriaTextMoELayer as B
+
+        cfg = AriaTextConfig(
+            hidden_size=H, intermediate_size=I, moe_num_experts=E, moe_topk=2, moe_num_shared_experts=1
+        )
+    elif family == "openai_pf":
+        from transformers.models.openai_privacy_filter.configuration_openai_privacy_filter import (
+            OpenAIPrivacyFilterConfig,
+        )
+        from transformers.models.openai_privacy_filter.modeling_openai_privacy_filter import (
+            OpenAIPrivacyFilterMLP as B,
+        )
+
+        cfg = OpenAIPrivacyFilterConfig(
+            hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2
+        )
+    elif family == "laguna":
+        from transformers import LagunaConfig
+        from transformers.models.laguna.modeling_laguna import LagunaSparseMoeBlock as B
+
+        cfg = LagunaConfig(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            shared_expert_intermediate_size=24,
+            num_experts=E,
+            num_experts_per_tok=2,
+            moe_routed_scaling_factor=1.7,
+        )
+    elif family == "nemotron_h":
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        cfg = NemotronHConfig(
+            hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2
+        )
+        cfg._experts_implementation = "eager"
+        blk = nn.Module()
+        blk.gate = nn.Linear(H, E, bias=False)
+        blk.experts = NemotronHExperts(cfg)
+        _randomize(blk, 1)
+        return blk
+    elif family == "separate":
+        blk = SeparateBlock(("gate_proj", "up_proj", "down_proj"))
+        _randomize(blk, 1)
+        return blk
+    elif family == "w1w3w2_transposed":
+        blk = SeparateBlock(("w1", "w3", "w2"), transposed=True)
+        _randomize(blk, 1)
+        return blk
+    else:
+        raise KeyError(family)
+    cfg._experts_implementation = "eager"
+    blk = B(cfg)
+    _randomize(blk, 1)
+    return blk
+
+
+def reference_forward(family: str, blk: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The unmodified block on ``h [T,H]`` (or, for test-only layouts, their plain reference)."""
+    if family == "nemotron_h":
+        r = softmax_topk(blk.gate(h), 2, renormalize=True)
+        return blk.experts(h, r.indices, r.weights)
+    out = blk(h.view(1, *h.shape))
+    if isinstance(out, tuple):  # gpt_oss, openai_pf return (hidden, router_scores)
+        out = out[0]
+    return out.reshape(h.shape)
+
+
+def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOptions) -> torch.Tensor:
+    """What generated code does for each archetype, on this rank's tokens ``h [T_local, H]``."""
+    if family == "qwen3_contract":  # experts-level archetype: the model's block code, EP experts holder
+        return reference_forward("qwen3", blk, h)
+    if family == "qwen3":
+        r = softmax_topk(F.linear(h, blk.gate.weight), 2, renormalize=True)
+        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+    if family == "mixtral":
+        r = softmax_topk(F.linear(h, blk.gate.weight), 2, renormalize=True, weights_dtype="fp32")
+        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+    if family == "qwen2":
+        r = softmax_topk(F.linear(h, blk.gate.weight), 3, renormalize=False)
+        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        shared = blk.shared_expert(h)  # overlaps the in-flight dispatch
+        gate_logits = blk.shared_expert_gate(h)
+        routed = experts_and_combine(state, blk.experts)
+        return merge_shared(routed, shared, "gated", gate_logits=gate_logits)
+    if family == "deepseek_v3":
+        c = blk.config
+        r = sigmoid_group(
+            h,
+            blk.gate.weight,
+            blk.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            num_groups=c.n_group,
+            topk_groups=c.topk_group,
+            renormalize=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
+        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        shared = blk.shared_experts(h)
+        return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
+    if family in ("gpt_oss", "openai_pf"):
+        r = call_router_module(blk.router, h)
+        out = moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+        return out * blk.num_experts if family == "openai_pf" else out
+    if family == "aria":
+        r = call_router_module(blk.router, h)
+        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        shared = blk.shared_experts(h)
+        return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
+    if family == "laguna":
+        r = call_router_module(blk.gate, h)
+        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        shared = blk.shared_experts(h)
+        return merge_shared(
+            experts_and_combine(state, blk.experts), shared, "scaled", scale=blk.routed_scaling_factor
+        )
+    if family in ("nemotron_h", "separate", "w1w3w2_transposed"):
+        r = softmax_topk(blk.gate(h), 2, renormalize=True)
+        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+    raise KeyError(family)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forced routing and capacity: the reference is the unmodified transformers experts holder called
+# with the routing the case prescribes (per-rank capacity applied the same way).
+def _routing_bias(kind: str, ep_size: int) -> torch.Tensor:
+    bias = torch.zeros(E)
+    local = E // ep_size
+    if kind == "skewed":  # every token to rank 0's experts
+        bias[local:] = -1e4
+    elif kind == "starve_last":  # nobody routes to the last rank's experts
+        bias[E - local :] = -1e4
+    return bias
+
+
+def forced_route(blk, h, kind, ep_size, top_k=2):
+    logits = F.linear(h, blk.gate.weight) + _routing_bias(kind, ep_size).to(h.dtype)
+    return softmax_topk(logits, top_k, renormalize=True)
+
+
+# ----------------------------------------------------------------------------------------------
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if b is None and a is None:
+        return 0.0
+    b = torch.zeros_like(a) if b is None else b
+    a = torch.zeros_like(b) if a is None else a
+    scale = b.float().abs().max().item() if b.numel() else 0.0
+    err = (a.float() - b.float()).abs().max().item() if b.numel() else 0.0
+    return err / max(scale, 1e-12)
+
+
+def _slices(tokens: list[int]) -> list[slice]:
+    out, s = [], 0
+    for n in tokens:
+        out.append(slice(s, s + n))
+        s += n
+    return out
+
+
+def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
+    family = case["family"]
+    dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+    ep_size = case.get("ep", world)
+    if ep_size not in groups:
+        groups[ep_size] = build_expert_parallel_group(ep_size)
+    ep = groups[ep_size]
+    tokens = case.get("tokens") or [12] * world
+    tokens = tokens[:world]
+    sl = _slices(tokens)[rank]
+    opts = RuntimeOptions(**case.get("options", {}))
+    routing = case.get("routing", "natural")
+    capacity = opts.capacity_factor is not None
+
+    ref_blk = build_block(family).to(dtype)
+    ep_blk = copy.deepcopy(ref_blk)
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(sum(tokens), H, generator=gen)).to(dtype)
+    g = torch.randn(sum(tokens), H, generator=gen).to(dtype)
+
+    # ---- reference: all experts, global batch, one process
+    x_ref = x.clone().requires_grad_()
+    if routing == "natural" and not capacity:
+        ref_out = reference_forward(family, ref_blk, x_ref)
+    else:
+        parts = []
+        for s in _slices(tokens):
+            r = forced_route(ref_blk, x_ref[s], routing, ep_size)
+            idx, w = r.indices, r.weights
+            if capacity:
+                idx, w, _ = apply_capacity(
+                    idx, w, E, opts.capacity_factor, opts.drop_policy, opts.renormalize_kept
+                )
+            parts.append(ref_blk.experts(x_ref[s], idx, w))
+        ref_out = torch.cat(parts)
+    (ref_out * g).sum().backward()
+
+    # ---- expert parallel: this rank's tokens, local experts only
+    install_expert_parallel(ep_blk.experts, num_experts=E, ep=ep, options=opts)
+    x_ep = x[sl].clone().requires_grad_()
+
+    def run_ep():
+        if routing == "natural" and not capacity:
+            return ep_forward(family, ep_blk, x_ep, ep, opts)
+        r = forced_route(ep_blk, x_ep, routing, ep_size)
+        return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, num_experts=E, ep=ep, options=opts)
+
+    out = run_ep()
+    (out * g[sl]).sum().backward()
+
+    errors = {"output": _rel(out, ref_out[sl]), "grad/input": _rel(x_ep.grad, x_ref.grad[sl])}
+    layout = ExpertsLayout.of(ep_blk.experts)
+    expert_names = {f"experts.{n}" for n in layout.weight_names}
+    placement = ep_blk.experts.hp_expert_parallel.placement
+    ref_params = dict(ref_blk.named_parameters())
+    for name, p in ep_blk.named_parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = grad.detach().float().clone()
+        ref_grad = ref_params[name].grad
+        if name in expert_names:
+            if ep.replica_group is not None:
+                dist.all_reduce(grad, group=ep.replica_group)
+            ref_grad = None if ref_grad is None else ref_grad[placement.local_slice]
+        else:
+            dist.all_reduce(grad)
+        if ref_grad is None and not p.requires_grad:
+            continue
+        errors[f"grad/{name}"] = _rel(grad, ref_grad)
+
+    result = {"errors": errors}
+    if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
+        sync_blk = copy.deepcopy(ref_blk)
+        sync_opts = RuntimeOptions(**{**case.get("options", {}), "overlap": False})
+        install_expert_parallel(sync_blk.experts, num_experts=E, ep=ep, options=sync_opts)
+        x_s = x[sl].clone().requires_grad_()
+        out_s = ep_forward(family, sync_blk, x_s, ep, sync_opts)
+        (out_s * g[sl]).sum().backward()
+        same = torch.equal(out_s, out) and torch.equal(x_s.grad, x_ep.grad)
+        for (_, p1), (_, p2) in zip(sync_blk.named_parameters(), ep_blk.named_parameters(), strict=True):
+            same = same and ((p1.grad is None and p2.grad is None) or torch.equal(p1.grad, p2.grad))
+        result["bitwise_sync_equal"] = bool(same)
+    tol = case.get("tol", BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
+    worst = max(errors, key=errors.get)
+    result.update(
+        tol=tol,
+        worst=worst,
+        worst_err=errors[worst],
+        ok=bool(
+            errors[worst] <= tol and not math.isnan(errors[worst]) and result.get("bitwise_sync_equal", True)
+        ),
+    )
+    return result
+
+
+def run_all(rank: int, world: int, cases: list[dict]) -> dict:
+    groups: dict = {}
+    results = {}
+    for case in cases:
+        results[case["name"]] = run_case(case, rank, world, groups)
+    return results
