@@ -22,6 +22,16 @@ class CapacityResult(NamedTuple):
     dropped: torch.Tensor  # [E] int64, dropped slots per expert (stays on device: no host sync)
 
 
+def count_per_expert(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert id in ``[0, num_experts)``; ids >= num_experts (dropped) are not counted.
+
+    A scatter-add instead of ``bincount``, which syncs with the host on CUDA to size its output.
+    """
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_indices.device)
+    counts.scatter_add_(0, flat_indices.clamp(max=num_experts), torch.ones_like(flat_indices))
+    return counts[:num_experts]
+
+
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Slots one expert accepts from one rank: ``ceil(capacity_factor * tokens * top_k / num_experts)``."""
     exact = Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts  # 1.1 stays 11/10
@@ -53,7 +63,7 @@ def apply_capacity(
     else:
         by_weight = torch.sort(weights.detach().reshape(-1).float(), descending=True, stable=True).indices
         order = by_weight[torch.sort(flat_idx[by_weight], stable=True).indices]
-    counts = torch.bincount(flat_idx, minlength=num_experts)
+    counts = count_per_expert(flat_idx, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     sorted_idx = flat_idx[order]
     rank_in_expert = torch.arange(flat_idx.numel(), device=flat_idx.device) - starts[sorted_idx]

@@ -9,9 +9,9 @@ Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``
    chunks at once; one host sync per layer reads all split sizes;
 4. token exchange (async when ``overlap``): rows travel to the ranks that own their experts;
 5. local experts: received rows are regrouped expert-major and run through grouped GEMMs;
-6. reverse exchange, and on the sending rank ``sum_k weight[t,k] * y[t,k]``, accumulated in the
-   promoted dtype of (outputs, weights) and cast back to the hidden dtype, like transformers'
-   ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
+6. reverse exchange, and on the sending rank ``sum_k weight[t,k] * y[t,k]`` (one batched matmul),
+   accumulated in the promoted dtype of (outputs, weights) and cast back to the hidden dtype, like
+   transformers' ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
    exact.
 
 Two-phase use (the shared expert overlaps the in-flight dispatch)::
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .capacity import apply_capacity
+from .capacity import apply_capacity, count_per_expert
 from .experts import LocalBatch, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -137,7 +137,7 @@ def dispatch(
     for b in bounds:
         flat = indices[b].reshape(-1)
         orders.append(torch.sort(flat, stable=True).indices)
-        counts.append(torch.bincount(flat, minlength=num_experts + 1)[:num_experts])
+        counts.append(count_per_expert(flat, num_experts))
     counts_all = torch.stack(counts)  # [chunks, E]
     per_dest = counts_all.view(len(bounds), ep.size, n_local)
     recv = comm.exchange_counts(per_dest.transpose(0, 1).contiguous(), ep.group)  # [src, chunks, local]
@@ -209,9 +209,17 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     for chunk, pending in zip(state.chunks, combines, strict=True):
         y_sorted = pending.wait()
         n_tok = chunk.tokens.stop - chunk.tokens.start
-        slots = y_sorted.new_zeros((n_tok * k, hidden_size)).index_copy(0, chunk.rows, y_sorted)
+        n_slots = n_tok * k
+        if len(chunk.rows) == n_slots:  # dropless: a gather back to (token, slot) order
+            inverse = torch.empty_like(chunk.rows)
+            inverse[chunk.rows] = torch.arange(n_slots, device=inverse.device)
+            slots = y_sorted.index_select(0, inverse)
+        else:  # dropped slots stay zero
+            slots = y_sorted.new_zeros((n_slots, hidden_size)).index_copy(0, chunk.rows, y_sorted)
         w = state.weights[chunk.tokens]
-        outs.append((slots.view(n_tok, k, hidden_size) * w.unsqueeze(-1)).sum(dim=1))
+        dtype = torch.promote_types(slots.dtype, w.dtype)
+        weighted = torch.bmm(w.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, k, hidden_size))
+        outs.append(weighted.squeeze(1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(state.hidden_dtype)
 
