@@ -1,0 +1,67 @@
+"""Block-level archetype: the whole MoE block forward, expert-parallel.
+
+router -> dispatch (all-to-all in flight) -> shared expert (overlaps the exchange) -> local experts
+and combine -> shared merge. The generator specialises this template per matched block class:
+upper-case names are placeholders (attribute names of the block and constants), and ``if`` tests
+on constants are resolved so only the branches the block has remain.
+"""
+
+import torch
+
+from hp_rewrite import runtime as hp
+
+# Placeholders (replaced by the generator; the values here only make the template importable).
+ROUTER_KIND = "topk_router_module"  # softmax_topk | sigmoid_group | topk_router_module
+SHARED_MODE = "none"  # none | additive | gated | scaled
+TOP_K = 2
+RENORMALIZE = False
+SCALING = None
+WEIGHTS_DTYPE = "logits"
+NUM_GROUPS = 1
+TOPK_GROUPS = 1
+MASKED_FILL = float("-inf")
+ROUTED_SCALE = 1.0
+RETURNS_ROUTER_WEIGHTS = False
+
+
+def forward(self, hidden_states):
+    shape = hidden_states.shape
+    hidden = hidden_states.reshape(-1, shape[-1])
+    if ROUTER_KIND == "softmax_topk":
+        logits = torch.nn.functional.linear(hidden, self.ROUTER.weight)
+        routing = hp.softmax_topk(
+            logits, TOP_K, renormalize=RENORMALIZE, scaling=SCALING, weights_dtype=WEIGHTS_DTYPE
+        )
+    elif ROUTER_KIND == "sigmoid_group":
+        routing = hp.sigmoid_group(
+            hidden,
+            self.ROUTER.weight,
+            self.ROUTER.e_score_correction_bias,
+            TOP_K,
+            num_groups=NUM_GROUPS,
+            topk_groups=TOPK_GROUPS,
+            renormalize=RENORMALIZE,
+            scaling=SCALING,
+            masked_fill=MASKED_FILL,
+        )
+    else:
+        routing = hp.call_router_module(self.ROUTER, hidden)
+    ep = self.EXPERTS.hp_expert_parallel
+    state = hp.dispatch(
+        hidden, routing.indices, routing.weights, num_experts=ep.num_experts, ep=ep.ep, options=ep.options
+    )
+    if SHARED_MODE != "none":
+        shared = self.SHARED(hidden)  # computed while the dispatch all-to-all is in flight
+    routed = hp.experts_and_combine(state, self.EXPERTS)
+    if SHARED_MODE == "none":
+        out = routed
+    elif SHARED_MODE == "gated":
+        out = hp.merge_shared(routed, shared, "gated", gate_logits=self.SHARED_GATE(hidden))
+    elif SHARED_MODE == "scaled":
+        out = hp.merge_shared(routed, shared, "scaled", scale=ROUTED_SCALE)
+    else:
+        out = hp.merge_shared(routed, shared, "additive")
+    if RETURNS_ROUTER_WEIGHTS:
+        return out.reshape(shape), routing.weights
+    else:
+        return out.reshape(shape)

@@ -1,0 +1,211 @@
+"""Implementations of the ``hp-rewrite`` subcommands (the argument parsing lives in cli.py).
+
+Each returns a process exit code. User errors raise :class:`UserError`; the CLI prints its message
+(no traceback) and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad plan, bad model directory, wrong sizes...)."""
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{model_dir}: no config.json; pass a transformers checkpoint directory "
+                        "(hp-rewrite make-tiny MODEL_TYPE DIR writes a small one)")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise UserError(f"{model_dir}/config.json: transformers cannot read it: {e}") from e
+
+
+def meta_model(config):
+    """The model built on the meta device: structure only, no weights read or allocated."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel
+    with torch.device("meta"):
+        return auto.from_config(config, attn_implementation="eager")
+
+
+def _top_k(s) -> int | None:
+    router = getattr(s.block, s.router_name) if s.router_name else None
+    for owner in (router, s.block):
+        k = getattr(owner, "top_k", None)
+        if isinstance(k, int):
+            return k
+    return None
+
+
+def module_rows(analysis, ep_size: int) -> tuple[list[dict], list[dict]]:
+    modules = [
+        {
+            "path": r.structure.path,
+            "class": type(r.structure.block).__name__,
+            "experts_class": type(r.structure.experts).__name__,
+            "archetype": r.archetype.as_dict(),
+            "num_experts": r.structure.num_experts,
+            "local_experts": r.structure.num_experts // ep_size if r.structure.num_experts % ep_size == 0 else None,
+            "top_k": _top_k(r.structure),
+        }
+        for r in analysis.matched
+    ]
+    unmatched = [{"path": r.structure.path, "class": type(r.structure.block).__name__, "reason": r.reason}
+                 for r in analysis.unmatched]
+    return modules, unmatched
+
+
+def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None, verify: bool,
+          report: Path | None, timeout: float | None) -> int:
+    from .launch import WorldError, run_world
+    from .plan import load_plan
+    from .rewrite import generate
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    plan = load_plan(plan_path)
+    config = load_config(model_dir)
+    model = meta_model(config)
+    out_dir = Path(out or plan.output.dir or "hp-rewrite-out")
+    analysis, artifact = generate(model, plan, config, out_dir)
+    timings["generate_s"] = time.perf_counter() - t0
+    modules, unmatched = module_rows(analysis, plan.ep_size)
+    bad = [m for m in modules if m["local_experts"] is None]
+    if bad:
+        raise UserError(f"ep_size {plan.ep_size} does not divide the {bad[0]['num_experts']} experts of "
+                        f"{bad[0]['path']}: choose an ep_size that divides it")
+    _print_modules(modules, unmatched, analysis.excluded, artifact)
+    result = {"modules": modules, "unmatched": unmatched, "generated": artifact.files, "timings": timings}
+    code = 0
+    if nproc:
+        if nproc % plan.ep_size:
+            raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}")
+        payload = {"plan": plan.canonical(), "artifact_dir": str(artifact.directory), "manifest": artifact.manifest,
+                   "model_dir": str(model_dir), "verify": verify, "batch_per_rank": 2, "seq_len": 16}
+        t0 = time.perf_counter()
+        try:
+            ranks = run_world(nproc, "hp_rewrite.verify:run_rank", payload,
+                              timeout=timeout or max(120.0, plan.runtime.timeout_s * 4))
+        except WorldError as e:
+            console.print(f"[red]error:[/] the expert-parallel run failed:\n{e}")
+            ranks, code = [], 1
+        timings["run_s"] = time.perf_counter() - t0
+        result["ranks"] = ranks
+        if verify and ranks:
+            result["verify"] = _summarize_verify(ranks)
+            _print_verify(ranks)
+            code = 0 if result["verify"]["passed"] else 1
+    if report:
+        _write_json_atomic(report, result)
+    return code
+
+
+def _summarize_verify(ranks: list[dict]) -> dict:
+    v = [r["verify"] for r in ranks]
+    return {
+        "logits_max_abs": max(x["logits_max_abs"] for x in v),
+        "logits_max_rel": max(x["logits_max_rel"] for x in v),
+        "grad_max_abs": max(x["grad_max_abs"] for x in v),
+        "grad_max_rel": max(x["grad_max_rel"] for x in v),
+        "tolerance": v[0]["tolerance"],
+        "passed": all(x["passed"] for x in v),
+    }
+
+
+def _print_modules(modules, unmatched, excluded, artifact) -> None:
+    table = Table(title=f"MoE blocks ({len(modules)} matched, {len(unmatched)} unmatched)")
+    for col in ("module", "class", "level", "router", "shared", "layout", "experts", "local", "top-k"):
+        table.add_column(col)
+    for m in modules:
+        a = m["archetype"]
+        table.add_row(m["path"], m["class"], a["level"], a["router"], a["shared"], a["layout"],
+                      str(m["num_experts"]), str(m["local_experts"]), str(m["top_k"]))
+    console.print(table)
+    for u in unmatched:
+        console.print(f"[yellow]unmatched[/] {u['path']} ({u['class']}): {u['reason']}")
+    if excluded:
+        console.print(f"excluded by the plan: {len(excluded)} block(s)")
+    console.print(f"generated: {artifact.directory}")
+
+
+def _print_verify(ranks: list[dict]) -> None:
+    table = Table(title="expert-parallel vs unmodified model (fp32)")
+    for col in ("rank", "logits max rel", "grad max rel", "worst grad", "EP step s", "reference step s"):
+        table.add_column(col)
+    for rank, r in enumerate(ranks):
+        v = r["verify"]
+        table.add_row(str(rank), f"{v['logits_max_rel']:.2e}", f"{v['grad_max_rel']:.2e}", v["worst_grad"],
+                      f"{r['timings']['ep_step_s']:.2f}", f"{r['timings']['reference_step_s']:.2f}")
+    console.print(table)
+    ok = all(r["verify"]["passed"] for r in ranks)
+    tol = ranks[0]["verify"]["tolerance"]
+    console.print("[green]verify: PASS[/]" if ok else f"[red]verify: FAIL[/] (tolerance {tol:.0e})")
+
+
+def find_artifact(directory: Path) -> Path:
+    from .codegen.artifacts import MANIFEST_FILE
+
+    if (directory / MANIFEST_FILE).is_file():
+        return directory
+    found = sorted((p.parent for p in directory.glob(f"*/{MANIFEST_FILE}")), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise UserError(f"{directory}: no generated artifact here; run hp-rewrite apply first")
+    return found[-1]
+
+
+def inspect_artifact(directory: Path, block: str | None, diff: bool) -> int:
+    from rich.syntax import Syntax
+
+    from .codegen.artifacts import DIFF_FILE, MANIFEST_FILE, MODULE_FILE
+
+    art = find_artifact(directory)
+    manifest = json.loads((art / MANIFEST_FILE).read_text())
+    if diff:
+        text, lexer = (art / DIFF_FILE).read_text(), "diff"
+    else:
+        text, lexer = (art / MODULE_FILE).read_text(), "python"
+    if block:
+        names = {q.rsplit(".", 1)[-1]: e["function"] for q, e in manifest["classes"].items()}
+        if block not in names:
+            raise UserError(f"--block {block}: no generated forward for it; generated classes: {', '.join(sorted(names))}")
+        text = _section(text, names[block], diff)
+    console.print(Syntax(text, lexer, line_numbers=not diff, word_wrap=False))
+    return 0
+
+
+def _section(text: str, function: str, diff: bool) -> str:
+    if diff:
+        parts = text.split("--- a/")
+        return "".join("--- a/" + p for p in parts if f":{function}" in p.split("\n", 2)[1])
+    lines, keep, out = text.splitlines(keepends=True), False, []
+    for line in lines:
+        if line.startswith("def "):
+            keep = line.startswith(f"def {function}(")
+        if keep:
+            out.append(line)
+    return "".join(out)

@@ -1,0 +1,660 @@
+"""Tiny random-weight transformers models, built from config classes only (nothing is downloaded).
+
+``tiny_config`` shrinks any transformers config (a model type name or a config object, e.g. one read
+from a checkpoint directory) to a model small enough for a CPU test, keeping every MoE code path:
+
+* every size comes from one table, :data:`SHRINK_RULES`, of ``(attribute, value)`` pairs. A rule is
+  applied to the top-level config and, recursively, to every sub-config (``text_config``,
+  ``vision_config``, ...) that *has* the attribute. Integer lists (e.g. per-modality intermediate
+  sizes) get the value element-wise. Attributes in :data:`KEEP_NONE` stay ``None`` when they are
+  ``None`` (an optional feature that is off, such as ``q_lora_rank`` in DeepSeek-V2-Lite).
+* a few documented fix-ups then restore the invariants the table cannot express: per-layer lists
+  are resized to the new layer count with at least one sparse (MoE) layer, layer-index lists are
+  filtered, MLA models get as many key/value heads as query heads, M-RoPE sections are rescaled to
+  the new head size and special token ids are moved to the top of the 128-token vocabulary (so ids
+  below :data:`TEXT_TOKEN_LIMIT` are always plain text tokens).
+
+``build_tiny_model`` builds the model with the right Auto class, in fp32, ``eval()``, with eager
+attention, and randomises router weights, router biases and selection-bias buffers (transformers
+initialises several of them to zeros, which makes routing degenerate). ``make_tiny`` writes a real
+checkpoint (``config.json`` + ``model.safetensors``) atomically. ``moe_model_types`` finds, by
+structure, every model type of the installed transformers whose tiny model has MoE experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import importlib
+import inspect
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "KEEP_NONE",
+    "SHRINK_RULES",
+    "TEXT_TOKEN_LIMIT",
+    "TinyError",
+    "TypeSurvey",
+    "auto_class_for",
+    "build_tiny_model",
+    "experts_holders",
+    "make_tiny",
+    "moe_model_types",
+    "randomise_routers",
+    "sample_input_ids",
+    "survey_model_types",
+    "tiny_config",
+]
+
+
+class TinyError(ValueError):
+    """A tiny model that cannot be made: unknown model type, a config or model that fails to build,
+    an output directory that is not empty. The message names the model type and the cause."""
+
+
+HIDDEN = 64
+LAYERS = 2
+EXPERTS = 8
+TOP_K = 2
+VOCAB = 128
+#: Special token ids are moved into ``[TEXT_TOKEN_LIMIT, VOCAB)``; ids below are plain text tokens.
+TEXT_TOKEN_LIMIT = 64
+
+# fmt: off
+#: The shrink table: ``(attribute, value)``; a rule applies only where the attribute exists
+#: (on the config or any sub-config; config ``attribute_map`` aliases count).
+SHRINK_RULES: tuple[tuple[str, Any], ...] = (
+    # widths
+    ("hidden_size", HIDDEN), ("d_model", HIDDEN), ("n_embd", HIDDEN), ("embed_dim", HIDDEN),
+    ("out_hidden_size", HIDDEN), ("text_hidden_size", HIDDEN), ("thinker_hidden_size", HIDDEN),
+    ("vision_hidden_size", HIDDEN), ("projector_hidden_size", HIDDEN), ("projection_hidden_size", HIDDEN),
+    ("projection_hidden_dim", HIDDEN), ("projection_intermediate_size", HIDDEN),
+    ("vision_output_dim", HIDDEN), ("projector_input_dim", HIDDEN), ("projector_output_dim", HIDDEN),
+    ("adapter_in_dim", HIDDEN), ("adapter_out_dim", HIDDEN), ("output_dim", HIDDEN),
+    ("hidden_size_per_layer_input", 16), ("moe_hidden_size", 32), ("moe_latent_size", 32),
+    ("router_hidden_size", 32),
+    # depth
+    ("num_hidden_layers", LAYERS), ("num_layers", LAYERS), ("n_layers", LAYERS), ("depth", LAYERS),
+    ("encoder_layers", LAYERS), ("decoder_layers", LAYERS), ("num_decoder_layers", LAYERS),
+    # attention
+    ("num_attention_heads", 4), ("num_heads", 4), ("n_heads", 4), ("n_head", 4),
+    ("encoder_attention_heads", 4), ("decoder_attention_heads", 4),
+    ("num_key_value_heads", 2), ("head_dim", 16), ("d_kv", 16), ("kv_channels", 16),
+    ("swa_num_attention_heads", 4), ("swa_num_key_value_heads", 2), ("swa_head_dim", 16),
+    # multi-head latent attention (DeepSeek-V2/V3 family) and sparse-attention indexers
+    ("q_lora_rank", 32), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 16),
+    ("v_head_dim", 16), ("qk_head_dim", 24), ("o_lora_rank", 32),
+    ("index_n_heads", 2), ("index_head_dim", 16), ("index_topk", 4),
+    # dense MLP sizes
+    ("intermediate_size", 32), ("ffn_hidden_size", 32), ("d_ff", 32), ("encoder_ffn_dim", 32),
+    ("decoder_ffn_dim", 32), ("intermediate_size_mlp", 32), ("dense_intermediate_size", 32),
+    ("prefix_dense_intermediate_size", 32),
+    # routed experts: count, top-k, expert intermediate size
+    ("num_experts", EXPERTS), ("num_local_experts", EXPERTS), ("n_routed_experts", EXPERTS),
+    ("moe_num_experts", EXPERTS),
+    ("num_experts_per_tok", TOP_K), ("num_experts_per_token", TOP_K), ("moe_k", TOP_K),
+    ("moe_topk", TOP_K), ("moe_top_k", TOP_K), ("top_k_experts", TOP_K),
+    ("moe_intermediate_size", 32), ("expert_ffn_hidden_size", 32),
+    ("zero_expert_num", 2), ("expert_capacity", 32),
+    # shared experts
+    ("shared_expert_intermediate_size", 48), ("moe_shared_expert_intermediate_size", 48),
+    ("shared_intermediate_size", 48), ("shared_experts_intermediate_size", 48), ("share_expert_dim", 48),
+    ("n_shared_experts", 1), ("num_shared_experts", 1), ("moe_num_shared_experts", 1),
+    # grouped routing
+    ("n_group", 2), ("num_expert_group", 2), ("topk_group", 1),
+    # which layers are MoE (see also the per-layer list fix-up)
+    ("first_k_dense_replace", 1), ("num_dense_layers", 1), ("mlp_only_layers", []),
+    ("decoder_sparse_step", 1), ("encoder_sparse_step", 1), ("interleave_moe_layer_step", 1),
+    ("expert_layer_period", 2), ("expert_layer_offset", 1), ("attn_layer_period", 2), ("attn_layer_offset", 0),
+    ("moe_layer_start_index", 1), ("moe_layer_end_index", LAYERS - 1), ("moe_layer_interval", 1),
+    ("num_sparse_encoder_layers", 1), ("num_sparse_decoder_layers", 1),
+    ("enable_moe_block", True), ("is_moe", True),
+    # vocabulary and positions
+    ("vocab_size", VOCAB), ("unpadded_vocab_size", VOCAB), ("vocab_size_per_layer_input", VOCAB),
+    ("max_position_embeddings", 128),
+)
+# fmt: on
+
+#: Attributes that stay ``None`` when ``None``: ``None`` switches an optional feature off.
+KEEP_NONE = frozenset(
+    {
+        "q_lora_rank",
+        "o_lora_rank",
+        "moe_latent_size",
+        "shared_intermediate_size",
+        "hidden_size_per_layer_input",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "prefix_dense_intermediate_size",
+        "router_hidden_size",
+        "moe_hidden_size",
+        "dense_intermediate_size",
+        "intermediate_size_mlp",
+        "projection_intermediate_size",
+    }
+)
+
+# Attributes that count a model's layers, in order of preference (used by the per-layer fix-ups).
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "depth", "decoder_layers", "encoder_layers")
+# Values that mark a per-layer MLP entry as sparse (MoE) or dense.
+_SPARSE_MARKS = ("sparse", "moe")
+_EXPERT_ATTR = re.compile(r"expert", re.IGNORECASE)
+_ROUTER_PARTS = frozenset({"gate", "router", "wg", "classifier", "moe_statics", "router_gate"})
+_ROUTER_LEAVES = frozenset(
+    {"e_score_correction_bias", "expert_bias", "balancing_biases", "router_bias", "per_expert_scale"}
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+
+def _config_mapping():
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
+def _default_config(model_type: str):
+    mapping = _config_mapping()
+    if model_type not in mapping:
+        close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.5)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        raise TinyError(f"unknown model type {model_type!r} in transformers{hint}")
+    try:
+        with _quiet():
+            return mapping[model_type]()
+    except Exception as e:  # a config class whose defaults do not validate
+        raise TinyError(f"{model_type}: its default config cannot be built: {_short(e)}") from e
+
+
+def _is_config(value: Any) -> bool:
+    from transformers import PreTrainedConfig
+
+    return isinstance(value, PreTrainedConfig)
+
+
+def _sub_configs(cfg) -> Iterator[tuple[str, Any]]:
+    for key, value in list(vars(cfg).items()):
+        if _is_config(value):
+            yield key, value
+
+
+def _has_attr(cfg, name: str) -> bool:
+    return name in vars(cfg) or name in type(cfg).attribute_map
+
+
+def _layer_count(cfg) -> tuple[str, int] | None:
+    for name in _LAYER_COUNTS:
+        if _has_attr(cfg, name) and isinstance(getattr(cfg, name), int):
+            return name, getattr(cfg, name)
+    return None
+
+
+def _apply_rules(cfg) -> None:
+    for name, value in SHRINK_RULES:
+        if not _has_attr(cfg, name):
+            continue
+        old = getattr(cfg, name)
+        if old is None and name in KEEP_NONE:
+            continue
+        if isinstance(old, bool) and not isinstance(value, bool):
+            continue  # a flag that shares a name with a size
+        if isinstance(old, (list, tuple)) and not isinstance(value, (list, tuple)):
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in old):
+                value = type(old)(value for _ in old)  # e.g. per-modality sizes [text, vision]
+            else:
+                continue
+        setattr(cfg, name, copy.deepcopy(value))
+
+
+def _resize_per_layer(values: list | tuple, n: int) -> list:
+    """A per-layer list cut to ``n`` entries; an MLP-type list keeps at least one sparse entry
+    (the last), an attention-type list keeps as many of its distinct kinds as fit."""
+    out = list(values[:n])
+    kinds = list(dict.fromkeys(v for v in values if isinstance(v, str)))
+    sparse = [k for k in kinds if k in _SPARSE_MARKS]
+    if sparse:
+        if not any(v in sparse for v in out):
+            out[-1] = sparse[0]
+        return out
+    missing = [k for k in kinds if k not in out]
+    for i, kind in zip(range(len(out) - 1, 0, -1), missing):
+        if out.count(out[i]) > 1:
+            out[i] = kind
+    return out
+
+
+def _fix_layers(cfg, old_layers: int | None) -> None:
+    """Per-layer lists and layer-index lists follow the new layer count."""
+    count = _layer_count(cfg)
+    if count is None or old_layers is None:
+        return
+    n = count[1]
+    for name, value in list(vars(cfg).items()):
+        if name.startswith("_") or name in _LAYER_COUNTS:
+            continue
+        if isinstance(value, (list, tuple)) and len(value) == old_layers and old_layers > n:
+            setattr(cfg, name, _resize_per_layer(value, n))
+        elif isinstance(value, str) and len(value) == old_layers and old_layers > n and name.endswith("pattern"):
+            # hybrid patterns such as "M-M*-..." (one character per layer): keep one of each kind
+            setattr(cfg, name, "".join(_resize_per_layer(list(value), n)))
+    # lists of layer indices: keep those below n, never leave an "MoE layers" list empty
+    for name, value in list(vars(cfg).items()):
+        if name.startswith("_") or not isinstance(value, (list, tuple)) or not value:
+            continue
+        if not re.search(r"(layers|indexes|indices|layer_ids|layer_idx)$", name):
+            continue
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            continue
+        if len(value) == n and not (max(value) >= n):
+            continue
+        kept = [v for v in value if v < n]
+        if not kept and "moe" in name:
+            kept = [n - 1]
+        setattr(cfg, name, type(value)(kept) if isinstance(value, tuple) else kept)
+
+
+def _fix_attention(cfg) -> None:
+    # MLA attention repeats no key/value heads: as many as query heads
+    if _has_attr(cfg, "kv_lora_rank") and getattr(cfg, "kv_lora_rank", None):
+        if _has_attr(cfg, "num_key_value_heads") and _has_attr(cfg, "num_attention_heads"):
+            cfg.num_key_value_heads = cfg.num_attention_heads
+        if _has_attr(cfg, "qk_head_dim"):
+            cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if _has_attr(cfg, "head_dim") and _has_attr(cfg, "qk_rope_head_dim"):
+            cfg.head_dim = cfg.qk_rope_head_dim
+    # M-RoPE sections must add up to half the rotary dimension
+    rope = getattr(cfg, "rope_parameters", None) if _has_attr(cfg, "rope_parameters") else None
+    head_dim = getattr(cfg, "head_dim", None) if _has_attr(cfg, "head_dim") else None
+    if isinstance(rope, dict) and isinstance(head_dim, int):
+        factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+        half = int(head_dim * factor) // 2
+        for key in ("mrope_section",):
+            section = rope.get(key)
+            if isinstance(section, (list, tuple)) and section and sum(section) != half:
+                rope[key] = _rescale_section(section, half)
+
+
+def _rescale_section(section, total: int) -> list[int]:
+    s = sum(section)
+    out = [max(1, round(v * total / s)) for v in section]
+    out[0] += total - sum(out)
+    return out
+
+
+def _fix_token_ids(cfg, remap: dict[int, int]) -> None:
+    """Special token ids at or above the text-token limit move to the top of the vocabulary
+    (distinct ids stay distinct, equal ids stay equal)."""
+
+    def move(v: int) -> int:
+        if v < TEXT_TOKEN_LIMIT:
+            return v
+        if v not in remap:
+            remap[v] = VOCAB - 1 - len(remap) % (VOCAB - TEXT_TOKEN_LIMIT)
+        return remap[v]
+
+    for name, value in list(vars(cfg).items()):
+        if not re.search(r"(token_id|token_index|_token_ids|_id)$", name) or name.startswith("_"):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            setattr(cfg, name, move(value))
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            setattr(cfg, name, type(value)(move(v) if v >= 0 else v for v in value))
+
+
+def _shrink(cfg, remap: dict[int, int], depth: int = 0) -> None:
+    if depth > 6:
+        return
+    count = _layer_count(cfg)
+    old_layers = count[1] if count else None
+    _apply_rules(cfg)
+    _fix_layers(cfg, old_layers)
+    _fix_attention(cfg)
+    _fix_token_ids(cfg, remap)
+    for _, sub in _sub_configs(cfg):
+        _shrink(sub, remap, depth + 1)
+
+
+def tiny_config(model_type_or_config):
+    """A shrunk copy of a transformers config: a model type name (its default config) or a config
+    object. Raises :class:`TinyError` for an unknown model type or a config that does not validate."""
+    if isinstance(model_type_or_config, str):
+        cfg = _default_config(model_type_or_config)
+    elif _is_config(model_type_or_config):
+        cfg = copy.deepcopy(model_type_or_config)
+    else:
+        raise TinyError(f"expected a model type name or a transformers config, got {type(model_type_or_config)}")
+    model_type = getattr(cfg, "model_type", "?")
+    try:
+        with _quiet():
+            _shrink(cfg, {})
+            # round trip through the dict form: runs __post_init__ and validation on the new sizes
+            cfg = type(cfg).from_dict(cfg.to_dict())
+            if hasattr(cfg, "validate"):
+                cfg.validate()
+    except TinyError:
+        raise
+    except Exception as e:
+        raise TinyError(f"{model_type}: the shrunk config does not validate: {_short(e)}") from e
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+# Auto classes in order of preference; the first whose mapping has the config class is used.
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",
+    "AutoModelForMultimodalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModel",
+    "AutoModelForTextToWaveform",
+    "AutoModelForPreTraining",
+    "AutoBackbone",
+    "AutoModelForPoseEstimation",
+)
+
+
+def auto_class_for(config) -> type:
+    """The class that builds and reloads the model of ``config``: an Auto class (causal LM first,
+    then image-text-to-text, multimodal LM, seq2seq, base model, ...), or, for a config type no Auto
+    mapping lists (e.g. a sub-model's text config), the model class of its modeling module that
+    declares it (``...ForCausalLM`` first, then ``...Model``). Both have ``from_pretrained``; build
+    with :func:`build_tiny_model`."""
+    import transformers
+
+    for name in _AUTO_CLASSES:
+        auto = getattr(transformers, name, None)
+        mapping = getattr(auto, "_model_mapping", None)
+        if mapping is None:
+            continue
+        with contextlib.suppress(KeyError, ValueError, ImportError, AttributeError):
+            if type(config) in mapping.keys():
+                mapping[type(config)]  # noqa: B018  (raises when the model class is missing)
+                return auto
+    cls = _declared_model_class(config)
+    if cls is None:
+        raise TinyError(f"{config.model_type}: no Auto class and no model class declares {type(config).__name__}")
+    return cls
+
+
+def _declared_model_class(config) -> type | None:
+    from transformers import PreTrainedModel
+
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    found = [
+        obj
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__ and obj.config_class is type(config)
+    ]
+
+    def rank(cls: type) -> tuple[int, str]:
+        name = cls.__name__
+        order = ("ForCausalLM", "ForConditionalGeneration", "Model")
+        return next((i for i, s in enumerate(order) if name.endswith(s)), len(order)), name
+
+    found = [c for c in found if not c.__name__.endswith("PreTrainedModel")]
+    return min(found, key=rank) if found else None
+
+
+def _instantiate(cls: type, config) -> nn.Module:
+    kwargs = {"attn_implementation": "eager", "dtype": torch.float32}
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config, **kwargs)
+    return cls._from_config(config, **kwargs)
+
+
+def build_tiny_model(config, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
+    """A random-weight model of ``config`` (a config, normally from :func:`tiny_config`, or a model
+    type name, which is shrunk first): fp32, ``eval()``, eager attention, built with
+    :func:`auto_class_for`, routers randomised. Deterministic in ``seed``; the global RNG state is
+    left untouched. ``device="meta"`` builds without storage (for structure only)."""
+    if isinstance(config, str):
+        config = tiny_config(config)
+    model_type = getattr(config, "model_type", "?")
+    cls = auto_class_for(config)
+    try:
+        with torch.random.fork_rng(devices=[]), _quiet():
+            torch.manual_seed(seed)
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                model = _instantiate(cls, copy.deepcopy(config))
+    except Exception as e:
+        raise TinyError(f"{model_type}: the tiny model cannot be built: {_short(e)}") from e
+    model.eval()
+    if device is None or torch.device(device).type != "meta":
+        randomise_routers(model, seed)
+    return model
+
+
+def experts_holders(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """``(name, module, num_experts)`` of every experts holder, found by structure: a module with
+    direct 3-D per-expert weights sharing their leading dimension (not a torch.nn built-in such as
+    Conv1d), or a ModuleList / ModuleDict named ``*expert*`` of at least two same-typed modules.
+    Holders nested in another holder are not listed."""
+    found: list[tuple[str, nn.Module, int]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(h + ".") for h, _, _ in found):
+            continue
+        n = _holder_experts(name, module)
+        if n:
+            found.append((name, module, n))
+    return found
+
+
+def _holder_experts(name: str, module: nn.Module) -> int:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        children = list(module.children())
+        leaf = name.rsplit(".", 1)[-1]
+        if len(children) >= 2 and "expert" in leaf.lower() and len({type(c) for c in children}) == 1:
+            return len(children)
+        return 0
+    if type(module).__module__.startswith("torch.nn"):
+        return 0
+    leading = {
+        p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()
+    }
+    if len(leading) == 1:
+        n = leading.pop()
+        declared = getattr(module, "num_experts", None)
+        if n >= 2 and (not isinstance(declared, int) or declared in (n, 0) or declared <= n):
+            return n
+    return 0
+
+
+@torch.no_grad()
+def randomise_routers(model: nn.Module, seed: int = 0) -> list[str]:
+    """Randomise the router tensors of every MoE block (the holder's parent module): tensors
+    outside the experts holder whose path has a router part (``gate``, ``router``, ``wg``,
+    ``classifier``, ...) or a selection-bias name (``e_score_correction_bias``, ``expert_bias``,
+    ...), and every all-zero floating tensor of the block. Weights get N(0, 0.2), 1-D tensors
+    N(0, 0.05), constant non-zero scales ``c`` get ``c * (1 + N(0, 0.05))``. Only persistent
+    tensors (those ``save_pretrained`` writes) are touched. Returns the names randomised."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    holders = experts_holders(model)
+    holder_names = {h for h, _, _ in holders}
+    persistent = set(model.state_dict().keys())
+    done: list[str] = []
+    parents = sorted({h.rsplit(".", 1)[0] if "." in h else "" for h in holder_names})
+    for parent in parents:
+        block = model.get_submodule(parent)
+        prefix = f"{parent}." if parent else ""
+        tensors = list(block.named_parameters()) + list(block.named_buffers())
+        for rel, t in tensors:
+            full = prefix + rel
+            if full in done or full not in persistent or not t.is_floating_point() or t.numel() == 0:
+                continue
+            if any(full.startswith(h + ".") for h in holder_names):
+                continue
+            parts = rel.split(".")
+            named = bool(_ROUTER_PARTS.intersection(parts[:-1])) or parts[-1] in _ROUTER_LEAVES
+            zero = bool((t == 0).all())
+            if not (named or zero):
+                continue
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            if t.dim() >= 2:
+                t.copy_(noise * 0.2)
+            elif not zero and bool((t == t.reshape(-1)[0]).all()):
+                t.copy_(t * (1 + 0.05 * noise))
+            else:
+                t.copy_(noise * 0.05)
+            done.append(full)
+    return done
+
+
+def sample_input_ids(config, batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
+    """Plain text token ids ``[batch, seq]`` for a tiny model (below :data:`TEXT_TOKEN_LIMIT`, so
+    never an image/audio placeholder or another special token)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", VOCAB) or VOCAB
+    return torch.randint(0, min(TEXT_TOKEN_LIMIT, vocab), (batch, seq), generator=gen)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def make_tiny(
+    model_type: str | None,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    from_config: str | os.PathLike | None = None,
+) -> Path:
+    """Write a tiny random-weight checkpoint (``save_pretrained``: ``config.json`` +
+    ``model.safetensors``) of ``model_type``, or of the config in ``from_config`` (a directory
+    with a ``config.json``, or the file itself), shrunk. Written into a temporary directory next to
+    ``out_dir`` and renamed into place; an existing non-empty ``out_dir`` is never overwritten."""
+    if (model_type is None) == (from_config is None):
+        raise TinyError("make_tiny: give exactly one of model_type and from_config")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TinyError(f"make_tiny: {out} exists and is not an empty directory; refusing to overwrite it")
+    if from_config is not None:
+        cfg = tiny_config(_read_config(Path(from_config)))
+    else:
+        cfg = tiny_config(model_type)
+    model = build_tiny_model(cfg, seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with _quiet():
+            model.save_pretrained(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above); fails if someone filled it meanwhile
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TinyError(f"make_tiny: cannot write {out}: {e}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _read_config(path: Path):
+    from transformers import AutoConfig
+
+    where = path.parent if path.is_file() else path
+    if not (where / "config.json").is_file():
+        raise TinyError(f"make_tiny: no config.json in {where}")
+    try:
+        with _quiet():
+            return AutoConfig.from_pretrained(where)
+    except Exception as e:
+        raise TinyError(f"make_tiny: cannot read the config in {where}: {_short(e)}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# discovery
+
+
+@dataclass(frozen=True)
+class TypeSurvey:
+    """What :func:`survey_model_types` found for one candidate model type."""
+
+    model_type: str
+    status: str  # "moe": has experts holders; "dense": built, none found; "error": cannot be built
+    holders: tuple[tuple[str, int], ...] = ()  # (module name, num_experts)
+    detail: str = ""
+
+
+def _has_expert_attribute(cfg, depth: int = 0) -> bool:
+    names = [k for k in vars(cfg) if not k.startswith("_")] + list(type(cfg).attribute_map)
+    if any(_EXPERT_ATTR.search(k) for k in names):
+        return True
+    return depth < 4 and any(_has_expert_attribute(sub, depth + 1) for _, sub in _sub_configs(cfg))
+
+
+def survey_model_types(model_types: list[str] | None = None) -> list[TypeSurvey]:
+    """Every model type of the installed transformers (or ``model_types``) whose default config tree
+    names an expert attribute (``num_experts``, ``n_routed_experts``, ``moe_num_experts``, ...),
+    built tiny on the meta device and classified by structure (:func:`experts_holders`)."""
+    out = []
+    for model_type in model_types if model_types is not None else list(_config_mapping().keys()):
+        try:
+            cfg = _default_config(model_type)
+        except TinyError:
+            continue
+        if not _has_expert_attribute(cfg):
+            continue
+        try:
+            model = build_tiny_model(tiny_config(cfg), device="meta")
+        except TinyError as e:
+            out.append(TypeSurvey(model_type, "error", detail=str(e)))
+            continue
+        holders = tuple((name, n) for name, _, n in experts_holders(model))
+        out.append(TypeSurvey(model_type, "moe" if holders else "dense", holders))
+    return out
+
+
+def moe_model_types() -> list[str]:
+    """Every model type of the installed transformers that has MoE blocks (experts holders found by
+    structure in its tiny model). Computed on each call; a type whose tiny model cannot be built is
+    not listed (see :func:`survey_model_types` for those)."""
+    return sorted(s.model_type for s in survey_model_types() if s.status == "moe")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' warnings and progress bars (config validation chatter, shard bars)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

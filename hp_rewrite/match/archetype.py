@@ -1,0 +1,247 @@
+"""Choose an archetype for each MoE block and confirm it by execution.
+
+For a block the candidates are tried in order: block-level (the whole forward generated from
+``archetypes/block_routed.py``), then experts-level (only the experts call, from
+``archetypes/experts_routed.py``). A candidate is accepted only if, at EP=1 on a materialised copy
+with random weights, the generated code reproduces the original module's output on a random probe
+(fp32, relative error <= 1e-5). Otherwise the next candidate is tried, and a block no candidate
+reproduces is reported unmatched with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..codegen.specialize import specialize
+from ..runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, softmax_topk
+from .structure import BlockStructure, experts_layout
+
+PROBE_TOL = 1e-5
+_RUNTIME_NAMESPACE = "hp"
+
+
+@dataclass(frozen=True)
+class Archetype:
+    """router: softmax_topk | sigmoid_group | topk_router_module (block level) or model (experts level);
+    shared: none | additive | gated | scaled (block level) or model; layout: the experts weight layout."""
+
+    level: str
+    router: str
+    shared: str
+    layout: str
+    names: dict = field(default_factory=dict)
+    constants: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"level": self.level, "router": self.router, "shared": self.shared, "layout": self.layout}
+
+
+@dataclass
+class MatchResult:
+    structure: BlockStructure
+    archetype: Archetype | None
+    reason: str = ""
+    tried: list[str] = field(default_factory=list)
+
+
+def layout_name(experts: nn.Module) -> str:
+    layout = experts_layout(experts)
+    parts = [layout.kind if layout.gated else "up-only"]
+    if layout.kind == "fused" and getattr(experts, "is_concatenated", True) is False:
+        parts.append("interleaved")
+    if layout.transposed:
+        parts.append("transposed")
+    if layout.up_bias or layout.down_bias:
+        parts.append("bias")
+    if layout.post_norm:
+        parts.append("post-norm")
+    return "-".join(parts)
+
+
+def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """A CPU fp32 copy with random weights (works for modules built on the meta device)."""
+    m = copy.deepcopy(module)
+    if any(t.is_meta for t in list(m.parameters()) + list(m.buffers())):
+        m = m.to_empty(device="cpu")
+    m = m.float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.02 if name.endswith("bias") else 0.2))
+        for name, b in m.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=g) * (0.05 if "bias" in name else 1.0))
+    return m
+
+
+def compile_function(source: str, name: str):
+    """Turn generated source into a function (probe use; artifacts are imported from their file)."""
+    from .. import runtime as hp
+
+    namespace = {"torch": torch, _RUNTIME_NAMESPACE: hp}
+    exec(compile(source, f"<hp-rewrite probe {name}>", "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace[name]
+
+
+def _rel(a, b) -> float:
+    if isinstance(b, tuple) != isinstance(a, tuple):
+        return float("inf")
+    if isinstance(b, tuple):
+        if len(a) != len(b):
+            return float("inf")
+        return max(_rel(x, y) for x, y in zip(a, b, strict=True))
+    if not isinstance(b, torch.Tensor):
+        return 0.0 if a == b else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    scale = b.float().abs().max().clamp_min(1e-12)
+    return ((a.float() - b.float()).abs().max() / scale).item()
+
+
+def _router_is_module_contract(router: nn.Module, hidden: torch.Tensor) -> bool:
+    try:
+        out = router(hidden)
+    except Exception:  # noqa: BLE001 - any failure means "not this contract"
+        return False
+    return isinstance(out, tuple) and len(out) >= 3 and out[1].shape == out[2].shape
+
+
+def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor, forced: dict, recorded: bool):
+    """(router, shared, constants) candidates for the block-level archetype, most specific first."""
+    router = getattr(probe, s.router_name)
+    routers = []
+    module_contract = _router_is_module_contract(router, hidden)
+    top_k = getattr(router, "top_k", None) or getattr(probe, "top_k", None)
+    if forced.get("router", "auto") in ("auto", "topk_router_module") and module_contract:
+        routers.append(("topk_router_module", {}))
+    if not recorded or forced.get("router") in ("softmax_topk", "sigmoid_group"):
+        if isinstance(top_k, int) and forced.get("router", "auto") in ("auto", "softmax_topk"):
+            for renorm in (True, False):
+                for dtype in ("logits", "fp32"):
+                    routers.append(("softmax_topk", {"TOP_K": top_k, "RENORMALIZE": renorm, "WEIGHTS_DTYPE": dtype}))
+    if forced.get("router", "auto") != "auto":
+        routers = [r for r in routers if r[0] == forced["router"]]
+    shared_modes = []
+    if s.shared_name is None:
+        shared_modes.append(("none", {}))
+    elif s.shared_gate_name is not None:
+        shared_modes.append(("gated", {}))
+    else:
+        shared_modes.append(("additive", {}))
+        for attr, value in sorted(vars(probe).items()):
+            if isinstance(value, float) and not attr.startswith("_"):
+                shared_modes.append(("scaled", {"ROUTED_SCALE": value}))
+    if forced.get("shared", "auto") != "auto":
+        shared_modes = [m for m in shared_modes if m[0] == forced["shared"]]
+    for r_kind, r_consts in routers:
+        for s_mode, s_consts in shared_modes:
+            yield r_kind, s_mode, {**r_consts, **s_consts}
+
+
+_DEFAULT_CONSTANTS = {"TOP_K": 1, "RENORMALIZE": False, "SCALING": None, "WEIGHTS_DTYPE": "logits",
+                      "NUM_GROUPS": 1, "TOPK_GROUPS": 1, "MASKED_FILL": float("-inf"), "ROUTED_SCALE": 1.0}
+
+
+def block_source(cls_name: str, arch: Archetype) -> str:
+    return specialize("block_routed", "forward", f"{cls_name}_forward", arch.names, arch.constants)
+
+
+def experts_source(cls_name: str) -> str:
+    return specialize("experts_routed", "forward", f"{cls_name}_forward", {}, {})
+
+
+def _probe_inputs(s: BlockStructure) -> torch.Tensor:
+    return torch.randn(2, 5, s.hidden_size, generator=torch.Generator().manual_seed(1))
+
+
+def _with_ep1(probe: nn.Module, s: BlockStructure) -> nn.Module:
+    candidate = copy.deepcopy(probe)
+    experts = getattr(candidate, s.experts_name)
+    install_expert_parallel(experts, num_experts=s.num_experts, ep=ExpertParallelGroup.single(),
+                            options=RuntimeOptions(), shard=False)
+    return candidate
+
+
+def _confirm_experts(s: BlockStructure, probe: nn.Module) -> tuple[bool, str]:
+    """The generated experts forward reproduces the holder on random routing (and the block, if callable)."""
+    experts = getattr(probe, s.experts_name)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(10, s.hidden_size, generator=g)
+    k = min(2, s.num_experts)
+    r = softmax_topk(torch.randn(10, s.num_experts, generator=g), k, renormalize=True)
+    with torch.no_grad():
+        ref = experts(h, r.indices, r.weights)
+        candidate = _with_ep1(probe, s)
+        fn = compile_function(experts_source("probe"), "probe_forward")
+        cand_experts = getattr(candidate, s.experts_name)
+        err = _rel(fn(cand_experts, h, r.indices, r.weights), ref)
+    if err > PROBE_TOL:
+        return False, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
+    return True, ""
+
+
+def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True) -> MatchResult:
+    """Pick and confirm an archetype for one block. ``forced`` holds plan choices (router, shared, level)."""
+    forced = forced or {}
+    result = MatchResult(s, None)
+    layout = layout_name(s.experts)
+    probe = materialize(s.block)
+    x = _probe_inputs(s)
+    with torch.no_grad():
+        try:
+            ref = probe(x)
+            block_callable = True
+        except Exception as e:  # noqa: BLE001
+            ref, block_callable = None, False
+            result.tried.append(f"block forward(hidden) raised {type(e).__name__}: {e}")
+    returns_weights = isinstance(ref, tuple)
+    level = forced.get("level", "auto")
+    if level in ("auto", "block") and block_callable and s.router_name and not s.others:
+        hidden = x.reshape(-1, s.hidden_size)
+        for r_kind, s_mode, consts in _block_candidates(s, probe, hidden, forced, recorded_router):
+            names = {"ROUTER": s.router_name, "EXPERTS": s.experts_name}
+            if s.shared_name:
+                names["SHARED"] = s.shared_name
+            if s.shared_gate_name:
+                names["SHARED_GATE"] = s.shared_gate_name
+            constants = {**_DEFAULT_CONSTANTS, **consts, "ROUTER_KIND": r_kind, "SHARED_MODE": s_mode,
+                         "RETURNS_ROUTER_WEIGHTS": returns_weights}
+            arch = Archetype("block", r_kind, s_mode, layout, names, constants)
+            try:
+                fn = compile_function(block_source("probe", arch), "probe_forward")
+                with torch.no_grad():
+                    err = _rel(fn(_with_ep1(probe, s), x), ref)
+            except Exception as e:  # noqa: BLE001
+                result.tried.append(f"block {r_kind}+{s_mode}: raised {type(e).__name__}: {e}")
+                continue
+            if err <= PROBE_TOL:
+                result.archetype = arch
+                return result
+            result.tried.append(f"block {r_kind}+{s_mode}: output differs (rel err {err:.2e})")
+    elif level in ("auto", "block"):
+        why = ("no router child with weight [num_experts, hidden]" if not s.router_name
+               else f"children that fit no role: {', '.join(s.others)}" if s.others else "block not callable")
+        result.tried.append(f"block level: {why}")
+    if level == "block":
+        result.reason = "; ".join(result.tried) or "no block-level archetype fits"
+        return result
+    ok, why = _confirm_experts(s, probe)
+    if ok and block_callable:
+        candidate = _with_ep1(probe, s)
+        experts = getattr(candidate, s.experts_name)
+        experts.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), experts)
+        with torch.no_grad():
+            err = _rel(candidate(x), ref)
+        if err > PROBE_TOL:
+            ok, why = False, f"block output with expert-parallel experts differs (rel err {err:.2e})"
+    if ok:
+        result.archetype = Archetype("experts", "model", "model", layout)
+        return result
+    result.tried.append(why)
+    result.reason = "; ".join(result.tried)
+    return result

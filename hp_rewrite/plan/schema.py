@@ -1,0 +1,208 @@
+"""The plan schema: frozen pydantic models, one per YAML section.
+
+Validation is strict (no "2" -> 2, no 1 -> true) because a plan decides how a model is sharded:
+a silently coerced typo would produce a different, still-running program. Every model forbids
+unknown keys for the same reason. Turning pydantic errors into readable messages with YAML line
+numbers is the loader's job (:mod:`hp_rewrite.plan.loader`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import keyword
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from hp_rewrite.runtime import RuntimeOptions
+
+PLAN_VERSION = 1
+
+RouterKind = Literal["auto", "softmax_topk", "sigmoid_group", "topk_router_module"]
+SharedKind = Literal["auto", "none", "additive", "gated", "scaled"]
+LevelKind = Literal["auto", "block", "experts"]
+ComputeKind = Literal["auto", "grouped", "eager"]
+DropPolicy = Literal["probs", "position"]
+RouterDtype = Literal["auto", "fp32", "logits"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a plan; ``line`` is 1-based, None when the plan did not come from text."""
+
+    source: str
+    line: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.source if self.line is None else f"{self.source}:{self.line}"
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be used. ``problems`` lists every fault found, ordered by line."""
+
+    def __init__(self, problems: list[Problem] | tuple[Problem, ...]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _check_glob(glob: str) -> str:
+    if not glob.strip():
+        raise ValueError("a glob must not be empty; use '*' to match everything")
+    if glob != glob.strip():
+        raise ValueError(f"glob {glob!r} has leading or trailing whitespace, which never matches")
+    return glob
+
+
+Glob = Annotated[str, AfterValidator(_check_glob)]
+
+
+class ModulesSection(_Section):
+    """Which MoE blocks to rewrite: fnmatch globs over module paths or class names."""
+
+    include: list[Glob] = Field(default_factory=lambda: ["*"], min_length=1)
+    exclude: list[Glob] = Field(default_factory=list)
+
+    def matches(self, path: str, class_name: str) -> bool:
+        """True when an include glob matches the path or the class name and no exclude glob does."""
+
+        def hit(globs: list[str]) -> bool:
+            return any(fnmatchcase(path, g) or fnmatchcase(class_name, g) for g in globs)
+
+        return hit(self.include) and not hit(self.exclude)
+
+
+class ArchetypeSection(_Section):
+    """How a matched block is rewritten; ``auto`` lets the matcher decide from the module structure."""
+
+    router: RouterKind = "auto"
+    shared: SharedKind = "auto"
+    level: LevelKind = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        # `archetype: auto` is shorthand for all three fields auto.
+        if isinstance(data, str):
+            if data == "auto":
+                return {}
+            raise ValueError(
+                f"{data!r}: as a string only 'auto' is allowed; otherwise write a mapping "
+                "with router, shared, level"
+            )
+        return data
+
+
+class RuntimeSection(_Section):
+    """Knobs of the routed runtime (see :class:`hp_rewrite.runtime.RuntimeOptions`) plus collectives."""
+
+    compute: ComputeKind = "auto"
+    chunks: int = Field(1, ge=1)
+    overlap: bool = True
+    capacity_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
+    drop_policy: DropPolicy = "probs"
+    renormalize_kept: bool = False
+    router_dtype: RouterDtype = "auto"
+    timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+
+    def to_options(self) -> RuntimeOptions:
+        """The runtime's options; imported lazily so reading a plan never imports torch."""
+        from hp_rewrite.runtime.options import RuntimeOptions
+
+        return RuntimeOptions(
+            compute=self.compute,
+            chunks=self.chunks,
+            overlap=self.overlap,
+            capacity_factor=self.capacity_factor,
+            drop_policy=self.drop_policy,
+            renormalize_kept=self.renormalize_kept,
+        )
+
+
+class OutputSection(_Section):
+    """Where generated code goes; None defers to the CLI's ``--out`` or its default."""
+
+    dir: str | None = None
+
+    @field_validator("dir")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty; omit it (or write null) to use the CLI's --out")
+        return value
+
+
+def _check_module_name(name: str) -> str:
+    parts = name.split(".")
+    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+        raise ValueError(f"{name!r} is not a dotted Python module name (like my_pkg.archetypes)")
+    return name
+
+
+ModuleName = Annotated[str, AfterValidator(_check_module_name)]
+_SECTIONS = ("modules", "archetype", "runtime", "output", "extensions")
+
+
+class Plan(_Section):
+    """A versioned expert-parallel plan. Build it with :func:`load_plan` / :func:`parse_plan`."""
+
+    version: int
+    ep_size: int = Field(ge=1)
+    modules: ModulesSection = Field(default_factory=ModulesSection)
+    archetype: ArchetypeSection = Field(default_factory=ArchetypeSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    # Dotted module names the rewriter imports so they can register archetypes. Only validated
+    # here: the plan layer never imports anything.
+    extensions: list[ModuleName] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections(cls, data: Any) -> Any:
+        # `runtime:` with every knob commented out is YAML null: read it as "all defaults".
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
+        return data
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: int) -> int:
+        if value != PLAN_VERSION:
+            raise ValueError(
+                f"unsupported plan version {value}; this hp-rewrite reads version {PLAN_VERSION}"
+            )
+        return value
+
+    def matches(self, path: str, class_name: str) -> bool:
+        """Whether the MoE block at ``path`` (of class ``class_name``) is rewritten by this plan."""
+        return self.modules.matches(path, class_name)
+
+    def canonical(self) -> dict[str, Any]:
+        """Every field with its defaults filled in, keys sorted: the input of :meth:`hash`."""
+        return _sorted(self.model_dump(mode="json"))
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON; independent of YAML formatting and key order."""
+        text = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
+
+
+DEFAULT_PLAN = Plan(version=PLAN_VERSION, ep_size=1)

@@ -1,0 +1,106 @@
+"""From a model and a plan to installed expert-parallel forwards.
+
+``analyze`` finds the MoE blocks the plan selects and confirms an archetype per block class;
+``generate`` writes the artifact (generated module, manifest, diff); ``install`` makes a model with
+real weights expert-parallel from an artifact, without re-running the analysis.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from .codegen import Artifact, GeneratedFunction, import_artifact, write_artifact
+from .match import MatchResult, choose_archetype, find_blocks
+from .match.archetype import block_source, experts_source
+from .runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def recorded_router_classes(model: nn.Module) -> set[type]:
+    """Classes whose outputs the model records (``_can_record_outputs``), e.g. routers for the aux loss."""
+    classes: set[type] = set()
+    for m in model.modules():
+        for target in (getattr(m, "_can_record_outputs", None) or {}).values():
+            cls = getattr(target, "target_class", target)
+            if isinstance(cls, type):
+                classes.add(cls)
+    return classes
+
+
+@dataclass
+class Analysis:
+    matched: list[MatchResult]
+    unmatched: list[MatchResult]
+    excluded: list[str]
+
+
+def analyze(model: nn.Module, plan) -> Analysis:
+    """Match every MoE block the plan selects; one execution-confirmed archetype per block class."""
+    forced = {"router": plan.archetype.router, "shared": plan.archetype.shared, "level": plan.archetype.level}
+    recorded = recorded_router_classes(model)
+    by_class: dict[tuple, MatchResult] = {}
+    matched, unmatched, excluded = [], [], []
+    for s in find_blocks(model):
+        if not (plan.matches(s.path, type(s.block).__name__) or plan.matches(s.experts_path, type(s.experts).__name__)):
+            excluded.append(s.path)
+            continue
+        key = (type(s.block), s.experts_name, type(s.experts))
+        if key not in by_class:
+            router = getattr(s.block, s.router_name) if s.router_name else None
+            by_class[key] = choose_archetype(s, forced, recorded_router=type(router) in recorded)
+        first = by_class[key]
+        result = MatchResult(s, first.archetype, first.reason, first.tried)
+        (matched if result.archetype else unmatched).append(result)
+    return Analysis(matched, unmatched, excluded)
+
+
+def generated_functions(analysis: Analysis) -> list[GeneratedFunction]:
+    """One function per patched class, in a deterministic order."""
+    funcs: dict[type, GeneratedFunction] = {}
+    for r in analysis.matched:
+        experts_cls = type(r.structure.experts)
+        if experts_cls not in funcs:
+            arch = {"level": "experts", "router": "model", "shared": "model", "layout": r.archetype.layout}
+            funcs[experts_cls] = GeneratedFunction(experts_cls, f"{experts_cls.__name__}_forward",
+                                                   experts_source(experts_cls.__name__), arch)
+        block_cls = type(r.structure.block)
+        if r.archetype.level == "block" and block_cls not in funcs:
+            funcs[block_cls] = GeneratedFunction(block_cls, f"{block_cls.__name__}_forward",
+                                                 block_source(block_cls.__name__, r.archetype), r.archetype.as_dict())
+    return sorted(funcs.values(), key=lambda f: f.function_name)
+
+
+def generate(model: nn.Module, plan, config, out_dir: Path) -> tuple[Analysis, Artifact]:
+    analysis = analyze(model, plan)
+    artifact = write_artifact(generated_functions(analysis), plan.hash(), config, config.model_type, out_dir)
+    return analysis, artifact
+
+
+def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
+            options: RuntimeOptions | None = None, shard: bool = True) -> list[str]:
+    """Install the artifact's forwards on ``model`` (real weights). Returns the patched block paths."""
+    module = import_artifact(artifact)
+    classes = artifact.manifest["classes"]
+    options = options or plan.runtime.to_options()
+    patched = []
+    for s in find_blocks(model):
+        if not (plan.matches(s.path, type(s.block).__name__) or plan.matches(s.experts_path, type(s.experts).__name__)):
+            continue
+        entry = classes.get(_qualname(type(s.experts)))
+        if entry is None:
+            continue  # unmatched when analysed: left untouched
+        install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard)
+        s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
+        block_entry = classes.get(_qualname(type(s.block)))
+        if block_entry is not None and block_entry["archetype"]["level"] == "block":
+            s.block.hp_original_forward = s.block.forward
+            s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)
+        patched.append(s.path)
+    return patched

@@ -1,0 +1,103 @@
+"""Run a rewritten model on one rank of a local world and, optionally, check it.
+
+Each rank loads the checkpoint, installs the generated forwards from the artifact with its EP
+group, runs forward and backward on its share of a random batch and, with ``verify``, compares the
+logits and every parameter gradient with the unmodified model run on the whole batch in the same
+process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
+over the world and expert gradients over the ranks holding the same experts before comparing.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .codegen import Artifact
+from .plan import Plan
+from .rewrite import install
+from .runtime import build_expert_parallel_group
+
+FP32_TOL = 1e-5
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The checkpoint's model with an LM head when it has one (eager attention, eval mode)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel
+    return auto.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    if not b.numel():
+        return 0.0, 0.0
+    err = (a.float() - b.float()).abs().max().item()
+    return err, err / max(b.float().abs().max().item(), 1e-12)
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def run_rank(rank: int, world: int, payload: dict) -> dict:
+    torch.set_num_threads(max(1, payload.get("threads", 1)))
+    plan = Plan.model_validate(payload["plan"])
+    artifact = Artifact(Path(payload["artifact_dir"]), payload["manifest"])
+    ep = build_expert_parallel_group(plan.ep_size)
+    model = load_model(payload["model_dir"])
+    ref = copy.deepcopy(model) if payload["verify"] else None
+    t0 = time.perf_counter()
+    patched = install(model, artifact, plan, ep)
+    timings = {"install_s": time.perf_counter() - t0}
+
+    per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
+    gen = torch.Generator().manual_seed(payload.get("seed", 0))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (per_rank * world, seq), generator=gen)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+
+    t0 = time.perf_counter()
+    out = _logits(model(input_ids=ids[mine]))
+    upstream = torch.randn((per_rank * world, *out.shape[1:]), generator=gen)
+    (out * upstream[mine]).sum().backward()
+    timings["ep_step_s"] = time.perf_counter() - t0
+    result = {"patched": patched, "timings": timings}
+    if ref is None:
+        return result
+
+    t0 = time.perf_counter()
+    ref_out = _logits(ref(input_ids=ids))
+    (ref_out * upstream).sum().backward()
+    timings["reference_step_s"] = time.perf_counter() - t0
+    logits_abs, logits_rel = _rel(out.detach(), ref_out.detach()[mine])
+    ref_params = dict(ref.named_parameters())
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        ref_grad = ref_params[name].grad
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        binding = getattr(owner, "hp_expert_parallel", None)
+        if binding is not None and name.rsplit(".", 1)[1] in owner.hp_layout.weight_names:
+            if ep.replica_group is not None:
+                dist.all_reduce(grad, group=ep.replica_group)
+            ref_grad = None if ref_grad is None else ref_grad[binding.placement.local_slice]
+        elif world > 1:
+            dist.all_reduce(grad)
+        grads[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad)
+    worst = max(grads, key=lambda n: grads[n][1]) if grads else ""
+    result["verify"] = {
+        "logits_max_abs": logits_abs,
+        "logits_max_rel": logits_rel,
+        "grad_max_abs": max((g[0] for g in grads.values()), default=0.0),
+        "grad_max_rel": grads[worst][1] if worst else 0.0,
+        "worst_grad": worst,
+        "tolerance": FP32_TOL,
+        "passed": logits_rel <= FP32_TOL and (not worst or grads[worst][1] <= FP32_TOL),
+    }
+    return result
