@@ -34,6 +34,29 @@ def _inspect(args: argparse.Namespace) -> int:
     return _run(inspect_artifact, args.dir, args.block, args.diff)
 
 
+def _make_tiny(args: argparse.Namespace) -> int:
+    from .commands import make_tiny_checkpoint
+
+    model_type, out_dir = args.model_type, args.out_dir
+    if args.from_config is not None and out_dir is None:  # `make-tiny --from-config SRC OUT_DIR`
+        model_type, out_dir = None, Path(args.model_type) if args.model_type else None
+    if out_dir is None:
+        return _run(_missing_out_dir)
+    return _run(make_tiny_checkpoint, model_type, out_dir, args.from_config, args.seed)
+
+
+def _missing_out_dir() -> int:
+    from .commands import UserError
+
+    raise UserError("make-tiny needs an OUT_DIR")
+
+
+def _describe(args: argparse.Namespace) -> int:
+    from .match.describe import describe_moe
+
+    return _run(describe_moe, args.model_dir, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hp-rewrite",
@@ -60,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--block", default=None, help="only the forward generated for this class")
     ins.add_argument("--diff", action="store_true", help="print the unified diff instead of the code")
     ins.set_defaults(func=_inspect)
+
+    des = sub.add_parser("describe-moe", help="list the MoE blocks of a checkpoint (config.json only): structure, "
+                         "the archetype hp-rewrite would use or why none fits, and a plan to start from")
+    des.add_argument("model_dir", type=Path, help="transformers checkpoint directory (only config.json is read)")
+    des.add_argument("--json", action="store_true", help="print a JSON document on stdout instead of tables")
+    des.set_defaults(func=_describe)
+
+    mt = sub.add_parser("make-tiny", help="write a small random-weight checkpoint of any MoE model type "
+                        "(no download), to try a plan on an architecture")
+    mt.add_argument("model_type", nargs="?", default=None, help="transformers model type, e.g. qwen3_moe")
+    mt.add_argument("out_dir", nargs="?", type=Path, default=None, help="new directory to write")
+    mt.add_argument("--from-config", type=Path, default=None, help="shrink the config.json found in this directory")
+    mt.add_argument("--seed", type=int, default=0)
+    mt.set_defaults(func=_make_tiny)
     return parser
 
 

@@ -7,8 +7,8 @@ Each returns a process exit code. User errors raise :class:`UserError`; the CLI 
 from __future__ import annotations
 
 import json
-import sys
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,7 +84,7 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
           report: Path | None, timeout: float | None) -> int:
     from .launch import WorldError, run_world
     from .plan import load_plan
-    from .rewrite import generate
+    from .rewrite import analyze, write
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -92,19 +92,21 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
     config = load_config(model_dir)
     model = meta_model(config)
     out_dir = Path(out or plan.output.dir or "hp-rewrite-out")
-    analysis, artifact = generate(model, plan, config, out_dir)
-    timings["generate_s"] = time.perf_counter() - t0
+    if nproc is not None and (nproc < 1 or nproc % plan.ep_size):
+        raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}: "
+                        "the world is split into EP groups of ep_size ranks")
+    analysis = analyze(model, plan)
     modules, unmatched = module_rows(analysis, plan.ep_size)
     bad = [m for m in modules if m["local_experts"] is None]
     if bad:
         raise UserError(f"ep_size {plan.ep_size} does not divide the {bad[0]['num_experts']} experts of "
                         f"{bad[0]['path']}: choose an ep_size that divides it")
+    artifact = write(analysis, plan, config, out_dir)
+    timings["generate_s"] = time.perf_counter() - t0
     _print_modules(modules, unmatched, analysis.excluded, artifact)
     result = {"modules": modules, "unmatched": unmatched, "generated": artifact.files, "timings": timings}
     code = 0
     if nproc:
-        if nproc % plan.ep_size:
-            raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}")
         payload = {"plan": plan.canonical(), "artifact_dir": str(artifact.directory), "manifest": artifact.manifest,
                    "model_dir": str(model_dir), "verify": verify, "batch_per_rank": 2, "seq_len": 16}
         t0 = time.perf_counter()
@@ -201,7 +203,7 @@ def inspect_artifact(directory: Path, block: str | None, diff: bool) -> int:
 def _section(text: str, function: str, diff: bool) -> str:
     if diff:
         parts = text.split("--- a/")
-        return "".join("--- a/" + p for p in parts if f":{function}" in p.split("\n", 2)[1])
+        return "".join("--- a/" + p for p in parts if f":{function}\n" in p)
     lines, keep, out = text.splitlines(keepends=True), False, []
     for line in lines:
         if line.startswith("def "):
@@ -209,3 +211,18 @@ def _section(text: str, function: str, diff: bool) -> str:
         if keep:
             out.append(line)
     return "".join(out)
+
+
+def make_tiny_checkpoint(model_type: str | None, out_dir: Path, from_config: Path | None, seed: int) -> int:
+    from .loading.tiny import TinyError, make_tiny
+
+    if (model_type is None) == (from_config is None):
+        raise UserError("give a MODEL_TYPE or --from-config DIR (exactly one)")
+    if from_config is not None and not (from_config / "config.json").is_file():
+        raise UserError(f"--from-config {from_config}: no config.json there")
+    try:
+        path = make_tiny(model_type, out_dir, from_config=from_config, seed=seed)
+    except TinyError as e:
+        raise UserError(str(e)) from e
+    console.print(f"wrote a tiny random-weight checkpoint to {path}")
+    return 0

@@ -43,7 +43,8 @@ class Analysis:
 
 def analyze(model: nn.Module, plan) -> Analysis:
     """Match every MoE block the plan selects; one execution-confirmed archetype per block class."""
-    forced = {"router": plan.archetype.router, "shared": plan.archetype.shared, "level": plan.archetype.level}
+    forced = {"router": plan.archetype.router, "shared": plan.archetype.shared, "level": plan.archetype.level,
+              "router_dtype": plan.runtime.router_dtype}
     recorded = recorded_router_classes(model)
     by_class: dict[tuple, MatchResult] = {}
     matched, unmatched, excluded = [], [], []
@@ -77,10 +78,13 @@ def generated_functions(analysis: Analysis) -> list[GeneratedFunction]:
     return sorted(funcs.values(), key=lambda f: f.function_name)
 
 
+def write(analysis: Analysis, plan, config, out_dir: Path) -> Artifact:
+    return write_artifact(generated_functions(analysis), plan.hash(), config, config.model_type, out_dir)
+
+
 def generate(model: nn.Module, plan, config, out_dir: Path) -> tuple[Analysis, Artifact]:
     analysis = analyze(model, plan)
-    artifact = write_artifact(generated_functions(analysis), plan.hash(), config, config.model_type, out_dir)
-    return analysis, artifact
+    return analysis, write(analysis, plan, config, out_dir)
 
 
 def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,

@@ -84,6 +84,7 @@ SHRINK_RULES: tuple[tuple[str, Any], ...] = (
     ("vision_output_dim", HIDDEN), ("projector_input_dim", HIDDEN), ("projector_output_dim", HIDDEN),
     ("adapter_in_dim", HIDDEN), ("adapter_out_dim", HIDDEN), ("output_dim", HIDDEN),
     ("hidden_size_per_layer_input", 16), ("moe_hidden_size", 32), ("moe_latent_size", 32),
+    ("audio_hidden_size", HIDDEN), ("adapter_input_size", HIDDEN), ("part_features", 16),
     ("router_hidden_size", 32),
     # depth
     ("num_hidden_layers", LAYERS), ("num_layers", LAYERS), ("n_layers", LAYERS), ("depth", LAYERS),
@@ -96,7 +97,12 @@ SHRINK_RULES: tuple[tuple[str, Any], ...] = (
     # multi-head latent attention (DeepSeek-V2/V3 family) and sparse-attention indexers
     ("q_lora_rank", 32), ("kv_lora_rank", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 16),
     ("v_head_dim", 16), ("qk_head_dim", 24), ("o_lora_rank", 32),
-    ("index_n_heads", 2), ("index_head_dim", 16), ("index_topk", 4),
+    ("index_n_heads", 2), ("index_head_dim", 16), ("index_topk", 4), ("index_kpool", 2),
+    ("indexer_n_heads", 2), ("indexer_kv_heads", 1), ("indexer_head_dim", 16), ("indexer_budget", 8),
+    ("indexer_compress_ratio", 4),
+    # state-space mixers (hybrid models): heads * head size == expand * hidden size
+    ("mamba_n_heads", 8), ("mamba_d_head", 16), ("mamba_expand", 2), ("mamba_d_state", 16),
+    ("mamba_num_heads", 8), ("mamba_head_dim", 16), ("ssm_state_size", 16), ("mamba_chunk_size", 16),
     # dense MLP sizes
     ("intermediate_size", 32), ("ffn_hidden_size", 32), ("d_ff", 32), ("encoder_ffn_dim", 32),
     ("decoder_ffn_dim", 32), ("intermediate_size_mlp", 32), ("dense_intermediate_size", 32),
@@ -127,13 +133,13 @@ SHRINK_RULES: tuple[tuple[str, Any], ...] = (
 )
 # fmt: on
 
-#: Attributes that stay ``None`` when ``None``: ``None`` switches an optional feature off.
+#: Attributes that stay ``None`` (or 0) when ``None`` (or 0): that switches an optional feature off.
 KEEP_NONE = frozenset(
     {
         "q_lora_rank",
+        "qk_rope_head_dim",
         "o_lora_rank",
         "moe_latent_size",
-        "shared_intermediate_size",
         "hidden_size_per_layer_input",
         "index_n_heads",
         "index_head_dim",
@@ -204,21 +210,43 @@ def _layer_count(cfg) -> tuple[str, int] | None:
     return None
 
 
-def _apply_rules(cfg) -> None:
+_UNCHANGED = object()
+
+
+def _shrunk_value(name: str, old: Any, value: Any, skip: frozenset[str]) -> Any:
+    """The value rule ``(name, value)`` gives an attribute that holds ``old``, or ``_UNCHANGED``."""
+    if name in skip or ((old is None or old == 0) and name in KEEP_NONE):
+        return _UNCHANGED
+    if isinstance(old, bool) and not isinstance(value, bool):
+        return _UNCHANGED  # a flag that shares a name with a size
+    if isinstance(old, (list, tuple)) and not isinstance(value, (list, tuple)):
+        if old and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in old):
+            return type(old)(value for _ in old)  # e.g. per-modality sizes [text, vision]
+        return _UNCHANGED
+    return copy.deepcopy(value)
+
+
+def _apply_rules(cfg, skip: frozenset[str]) -> None:
     for name, value in SHRINK_RULES:
-        if not _has_attr(cfg, name):
+        if _has_attr(cfg, name):
+            new = _shrunk_value(name, getattr(cfg, name), value, skip)
+            if new is not _UNCHANGED:
+                setattr(cfg, name, new)
+
+
+def _shrink_overrides(overrides: dict[int, dict[str, Any]], n: int, skip: frozenset[str]) -> dict:
+    """Per-layer overrides of a heterogeneous config, for the layers kept, shrunk by the same table."""
+    rules = dict(SHRINK_RULES)
+    out = {}
+    for layer, attrs in overrides.items():
+        if layer >= n:
             continue
-        old = getattr(cfg, name)
-        if old is None and name in KEEP_NONE:
-            continue
-        if isinstance(old, bool) and not isinstance(value, bool):
-            continue  # a flag that shares a name with a size
-        if isinstance(old, (list, tuple)) and not isinstance(value, (list, tuple)):
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in old):
-                value = type(old)(value for _ in old)  # e.g. per-modality sizes [text, vision]
-            else:
-                continue
-        setattr(cfg, name, copy.deepcopy(value))
+        kept = {}
+        for name, old in attrs.items():
+            new = _shrunk_value(name, old, rules[name], skip) if name in rules else _UNCHANGED
+            kept[name] = old if new is _UNCHANGED else new
+        out[layer] = kept
+    return out
 
 
 def _resize_per_layer(values: list | tuple, n: int) -> list:
@@ -316,17 +344,64 @@ def _fix_token_ids(cfg, remap: dict[int, int]) -> None:
             setattr(cfg, name, type(value)(move(v) if v >= 0 else v for v in value))
 
 
-def _shrink(cfg, remap: dict[int, int], depth: int = 0) -> None:
+def _fill_missing_layer_lists(cfg) -> None:
+    """Per-layer type lists a default config leaves ``None`` (the model indexes them anyway):
+    attention ``full_attention`` everywhere, MLP one dense layer then sparse ones."""
+    count = _layer_count(cfg)
+    if count is None:
+        return
+    n = count[1]
+    if "layer_types" in vars(cfg) and cfg.layer_types is None:
+        cfg.layer_types = ["full_attention"] * n
+    if "mlp_layer_types" in vars(cfg) and cfg.mlp_layer_types is None:
+        cfg.mlp_layer_types = ["dense"] * (n - 1) + ["sparse"] if n > 1 else ["sparse"]
+
+
+def _fix_backbone(cfg) -> None:
+    """Backbone configs name their stages after the layers: rename them, output the last one."""
+    stages = vars(cfg).get("stage_names")
+    count = _layer_count(cfg)
+    if not isinstance(stages, list) or count is None or len(stages) == count[1] + 1:
+        return
+    n = count[1]
+    cfg.stage_names = ["stem"] + [f"stage{i}" for i in range(1, n + 1)]
+    if "_out_features" in vars(cfg):
+        cfg._out_features = [cfg.stage_names[-1]]
+    if "_out_indices" in vars(cfg):
+        cfg._out_indices = [n]
+
+
+def _shrink(cfg, remap: dict[int, int], skip: frozenset[str], depth: int = 0) -> None:
     if depth > 6:
         return
+    spec = vars(cfg).get("_heterogeneity_spec")
+    overrides = copy.deepcopy(spec.per_layer_overrides) if spec is not None else None
+    if spec is not None:
+        cfg.per_layer_config = None  # shrink the global values, then the overrides of kept layers
     count = _layer_count(cfg)
     old_layers = count[1] if count else None
-    _apply_rules(cfg)
+    _apply_rules(cfg, skip)
     _fix_layers(cfg, old_layers)
+    _fill_missing_layer_lists(cfg)
+    _fix_backbone(cfg)
     _fix_attention(cfg)
     _fix_token_ids(cfg, remap)
+    if overrides:
+        count = _layer_count(cfg)
+        kept = _shrink_overrides(overrides, count[1] if count else 0, skip)
+        kept = {i: {k: v for k, v in a.items() if k == "skip" or v != vars(cfg).get(k)} for i, a in kept.items()}
+        kept = {i: a for i, a in kept.items() if a}
+        if kept:
+            cfg.per_layer_config = kept
     for _, sub in _sub_configs(cfg):
-        _shrink(sub, remap, depth + 1)
+        _shrink(sub, remap, skip, depth + 1)
+
+
+# Rules dropped, in this order, when a family's config rejects the full table ("where the family
+# allows"): e.g. a model that supports top-1 routing only keeps its own top-k.
+_SOFT_RULES = (
+    frozenset({"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k", "top_k_experts"}),
+)
 
 
 def tiny_config(model_type_or_config):
@@ -339,17 +414,23 @@ def tiny_config(model_type_or_config):
     else:
         raise TinyError(f"expected a model type name or a transformers config, got {type(model_type_or_config)}")
     model_type = getattr(cfg, "model_type", "?")
-    try:
-        with _quiet():
-            _shrink(cfg, {})
-            # round trip through the dict form: runs __post_init__ and validation on the new sizes
-            cfg = type(cfg).from_dict(cfg.to_dict())
-            if hasattr(cfg, "validate"):
-                cfg.validate()
-    except TinyError:
-        raise
-    except Exception as e:
-        raise TinyError(f"{model_type}: the shrunk config does not validate: {_short(e)}") from e
+    first_error: Exception | None = None
+    for skip in (frozenset(), *_SOFT_RULES):
+        try:
+            return _shrunk_config(cfg, skip)
+        except Exception as e:
+            first_error = first_error or e
+    raise TinyError(f"{model_type}: the shrunk config does not validate: {_short(first_error)}") from first_error
+
+
+def _shrunk_config(cfg, skip: frozenset[str]):
+    cfg = copy.deepcopy(cfg)
+    with _quiet():
+        _shrink(cfg, {}, skip)
+        # round trip through the dict form: runs __post_init__ and validation on the new sizes
+        cfg = type(cfg).from_dict(cfg.to_dict())
+        if hasattr(cfg, "validate"):
+            cfg.validate()
     return cfg
 
 
@@ -461,23 +542,24 @@ def experts_holders(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
 
 
 def _holder_experts(name: str, module: nn.Module) -> int:
+    leaf = name.rsplit(".", 1)[-1].lower()
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        children = list(module.children())
-        leaf = name.rsplit(".", 1)[-1]
-        if len(children) >= 2 and "expert" in leaf.lower() and len({type(c) for c in children}) == 1:
-            return len(children)
+        # per-expert modules: the children that have weights, all of one type (dropouts etc. aside)
+        weighted = [c for c in module.children() if any(True for _ in c.parameters())]
+        if "expert" in leaf and len(weighted) >= 2 and len({type(c) for c in weighted}) == 1:
+            return len(weighted)
         return 0
     if type(module).__module__.startswith("torch.nn"):
+        return 0  # Conv1d and friends
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+    leading = {p.shape[0] for p in stacked}
+    if not stacked or min(leading) < 2:
         return 0
-    leading = {
-        p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()
-    }
-    if len(leading) == 1:
-        n = leading.pop()
-        declared = getattr(module, "num_experts", None)
-        if n >= 2 and (not isinstance(declared, int) or declared in (n, 0) or declared <= n):
-            return n
-    return 0
+    if len(stacked) < 2 and "expert" not in type(module).__name__.lower() and "expert" not in leaf:
+        return 0  # a lone 3-D tensor (a position table, a custom convolution) is not an experts holder
+    declared = getattr(module, "num_experts", None)
+    # zero-expert layouts hold more gate/up rows than down rows: the declared count wins
+    return declared if isinstance(declared, int) and declared in leading else min(leading)
 
 
 @torch.no_grad()

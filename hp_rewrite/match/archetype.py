@@ -121,8 +121,9 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
         routers.append(("topk_router_module", {}))
     if not recorded or forced.get("router") in ("softmax_topk", "sigmoid_group"):
         if isinstance(top_k, int) and forced.get("router", "auto") in ("auto", "softmax_topk"):
+            dtypes = ("logits", "fp32") if forced.get("router_dtype", "auto") == "auto" else (forced["router_dtype"],)
             for renorm in (True, False):
-                for dtype in ("logits", "fp32"):
+                for dtype in dtypes:
                     routers.append(("softmax_topk", {"TOP_K": top_k, "RENORMALIZE": renorm, "WEIGHTS_DTYPE": dtype}))
     if forced.get("router", "auto") != "auto":
         routers = [r for r in routers if r[0] == forced["router"]]

@@ -1,0 +1,72 @@
+"""The command line: the main job end to end, and user errors (message, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hp_rewrite import __version__
+from hp_rewrite.cli import main
+from hp_rewrite.loading.tiny import make_tiny
+
+PLANS = Path(__file__).resolve().parent.parent / "plans"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe")
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_apply_nproc2_verify_writes_report(tiny_dir: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    code = main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(tmp_path / "gen"),
+                 "--nproc", "2", "--verify", "--report", str(report)])
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert data["verify"]["passed"] and data["verify"]["logits_max_rel"] <= 1e-5
+    assert data["verify"]["grad_max_rel"] <= 1e-5
+    m = data["modules"][0]
+    assert m["archetype"]["level"] == "block" and m["local_experts"] == m["num_experts"] // 2 and m["top_k"] == 2
+    assert data["unmatched"] == [] and all(Path(f).exists() for f in data["generated"])
+    assert main(["inspect", str(tmp_path / "gen"), "--block", m["class"]]) == 0
+    assert main(["inspect", str(tmp_path / "gen"), "--diff"]) == 0
+
+
+def test_bad_plan_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    plan = tmp_path / "bad.yaml"
+    plan.write_text("version: 1\nep_size: 2\nruntime:\n  compute: fast\n")
+    out = tmp_path / "gen"
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().out
+    assert "bad.yaml:4" in err and "runtime.compute" in err and "grouped" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_missing_model_dir_is_a_clean_error(tmp_path: Path, capsys) -> None:
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().out
+
+
+def test_world_size_that_does_not_fit_the_plan(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(tmp_path), "--nproc", "3"]) == 2
+    assert "not a multiple" in capsys.readouterr().out
+
+
+def test_ep_size_that_does_not_divide_the_experts(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    plan = tmp_path / "ep3.yaml"
+    plan.write_text("version: 1\nep_size: 3\n")
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(tmp_path / "gen")]) == 2
+    assert "does not divide" in capsys.readouterr().out
+
+
+def test_inspect_without_artifact(tmp_path: Path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "run hp-rewrite apply first" in capsys.readouterr().out

@@ -1,0 +1,117 @@
+"""The rewriter end to end: matching, generated code, artifacts, and whole-model parity."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
+from hp_rewrite.launch import run_world
+from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
+from hp_rewrite.rewrite import generate, install
+from hp_rewrite.runtime import ExpertParallelGroup
+from tests.rewrite_cases import REQUIRED_FAMILIES, TOL, compare, plan_for
+
+
+@pytest.mark.parametrize("model_type", REQUIRED_FAMILIES)
+def test_ep1_whole_model_matches_unmodified(model_type: str, tmp_path: Path) -> None:
+    r = compare(model_type, str(tmp_path))
+    assert r["patched"], f"{model_type}: no MoE block patched ({r['unmatched']})"
+    assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_output_router_logits_keeps_working(model_type: str, tmp_path: Path) -> None:
+    r = compare(model_type, str(tmp_path), router_logits=True)
+    assert r["errors"]["aux_loss"] <= TOL and r["worst_err"] <= TOL, r
+
+
+def test_chunked_eager_sync_plan_matches_unmodified(tmp_path: Path) -> None:
+    r = compare("qwen2_moe", str(tmp_path), chunks=2, compute="eager", overlap=False)
+    assert r["worst_err"] <= TOL, r
+
+
+_EP2_CASES = [{"name": t, "model_type": t} for t in ("qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral")]
+_EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
+
+
+@pytest.fixture(scope="module")
+def ep2_results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ep2")
+    return run_world(2, "tests.rewrite_cases:run_world_cases", {"out_dir": str(out), "cases": _EP2_CASES})
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _EP2_CASES])
+def test_ep2_whole_model_matches_unmodified(case: str, ep2_results: list[dict]) -> None:
+    for rank, results in enumerate(ep2_results):
+        r = results[case]
+        assert r["patched"], r
+        assert r["worst_err"] <= TOL, f"rank {rank}: {r['worst']} relative error {r['worst_err']:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------- codegen
+@pytest.fixture(scope="module")
+def qwen2_model():
+    return build_tiny_model(tiny_config("qwen2_moe"), seed=0)
+
+
+def test_generated_code_is_deterministic_lint_clean_and_current(qwen2_model, tmp_path: Path) -> None:
+    plan = plan_for(2)
+    _, a1 = generate(qwen2_model, plan, qwen2_model.config, tmp_path / "a")
+    _, a2 = generate(qwen2_model, plan, qwen2_model.config, tmp_path / "b")
+    assert a1.directory.name == a2.directory.name
+    for f in (MODULE_FILE, MANIFEST_FILE, "changes.diff"):
+        assert (a1.directory / f).read_bytes() == (a2.directory / f).read_bytes(), f
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", str(a1.module_path)],
+                          capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    manifest = json.loads((a1.directory / MANIFEST_FILE).read_text())
+    assert manifest["plan_hash"] == plan.hash() and "Qwen2MoeSparseMoeBlock" in " ".join(manifest["classes"])
+    # current artifact: reused as is
+    mtime = a1.module_path.stat().st_mtime_ns
+    _, again = generate(qwen2_model, plan, qwen2_model.config, tmp_path / "a")
+    assert again.module_path.stat().st_mtime_ns == mtime
+    # a different plan selects a different artifact
+    _, other = generate(qwen2_model, plan_for(2, chunks=2), qwen2_model.config, tmp_path / "a")
+    assert other.directory != a1.directory
+
+
+def test_tampered_artifact_is_regenerated(qwen2_model, tmp_path: Path) -> None:
+    plan = plan_for(1)
+    _, art = generate(qwen2_model, plan, qwen2_model.config, tmp_path)
+    good = art.module_path.read_text()
+    art.module_path.write_text(good.replace("hp.dispatch(", "hp.dispatch_tampered("))
+    _, again = generate(qwen2_model, plan, qwen2_model.config, tmp_path)
+    assert again.module_path.read_text() == good
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+
+
+def test_installed_forward_points_at_the_generated_file(qwen2_model, tmp_path: Path) -> None:
+    import copy
+
+    model = copy.deepcopy(qwen2_model)
+    plan = plan_for(1)
+    _, art = generate(model, plan, model.config, tmp_path)
+    install(model, art, plan, ExpertParallelGroup.single())
+    block = model.model.layers[0].mlp
+    assert inspect.getsourcefile(block.forward) == str(art.module_path)
+    assert "hp.dispatch(" in inspect.getsource(block.forward)
+    assert block.hp_original_forward.__func__ is type(block).forward  # the original stays reachable
+    with torch.no_grad():
+        x = torch.randn(1, 3, model.config.hidden_size)
+        torch.testing.assert_close(block(x), block.hp_original_forward(x), rtol=1e-5, atol=1e-6)
+
+
+def test_plan_level_experts_keeps_block_code(qwen2_model, tmp_path: Path) -> None:
+    from hp_rewrite.plan import parse_plan
+
+    plan = parse_plan("version: 1\nep_size: 1\narchetype:\n  level: experts\n")
+    analysis, art = generate(qwen2_model, plan, qwen2_model.config, tmp_path)
+    assert {r.archetype.level for r in analysis.matched} == {"experts"}
+    assert "Qwen2MoeSparseMoeBlock" not in art.module_path.read_text()
