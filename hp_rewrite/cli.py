@@ -84,9 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--diff", action="store_true", help="print the unified diff instead of the code")
     ins.set_defaults(func=_inspect)
 
-    des = sub.add_parser("describe-moe", help="list the MoE blocks of a checkpoint (config.json only): structure, "
-                         "the archetype hp-rewrite would use or why none fits, and a plan to start from")
-    des.add_argument("model_dir", type=Path, help="transformers checkpoint directory (only config.json is read)")
+    des = sub.add_parser(
+        "describe-moe",
+        help="list the MoE blocks of a checkpoint (config.json only): structure, "
+        "the archetype hp-rewrite would use or why none fits, and a plan to start from",
+    )
+    des.add_argument(
+        "model_dir", type=Path, help="transformers checkpoint directory (only config.json is read)"
+    )
     des.add_argument("--json", action="store_true", help="print a JSON document on stdout instead of tables")
     des.set_defaults(func=_describe)
 

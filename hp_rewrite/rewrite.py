@@ -16,7 +16,7 @@ from torch import nn
 from .codegen import Artifact, GeneratedFunction, import_artifact, write_artifact
 from .match import MatchResult, choose_archetype, find_blocks
 from .match.archetype import block_source, experts_source
-from .runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+from .runtime import ExpertParallelError, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
 
 
 def _qualname(cls: type) -> str:
@@ -43,6 +43,11 @@ class Analysis:
 
 def analyze(model: nn.Module, plan) -> Analysis:
     """Match every MoE block the plan selects; one execution-confirmed archetype per block class."""
+    if plan.extensions:
+        raise ExpertParallelError(
+            f"extensions {plan.extensions}: user archetype extensions are not loaded by this version of "
+            "hp-rewrite; remove the extensions: list (see docs/plan-format.md, Extension point)"
+        )
     forced = {"router": plan.archetype.router, "shared": plan.archetype.shared, "level": plan.archetype.level,
               "router_dtype": plan.runtime.router_dtype}
     recorded = recorded_router_classes(model)

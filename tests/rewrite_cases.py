@@ -10,12 +10,12 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.verify import gradient_errors
 
 TOL = 1e-5
 REQUIRED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "deepseek_v2",
@@ -63,17 +63,8 @@ def compare(model_type: str, out_dir: str, rank: int = 0, world: int = 1, ep_siz
         loss = loss + out.aux_loss / world  # every rank adds the same aux loss of its own tokens
     ref_loss.backward()
     loss.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-        ref_grad = ref_params[name].grad
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
-        binding = getattr(owner, "hp_expert_parallel", None)
-        if binding is not None and name.rsplit(".", 1)[1] in owner.hp_layout.weight_names:
-            ref_grad = None if ref_grad is None else ref_grad[binding.placement.local_slice]
-        elif world > 1:
-            dist.all_reduce(grad)
-        errors[f"grad/{name}"] = _rel(grad, ref_grad)
+    for name, (_, rel) in gradient_errors(model, ref, ep, world).items():
+        errors[f"grad/{name}"] = rel
     worst = max(errors, key=errors.get)
     return {"patched": patched, "archetypes": [r.archetype.as_dict() for r in analysis.matched],
             "unmatched": [r.reason for r in analysis.unmatched], "worst": worst, "worst_err": errors[worst],

@@ -37,7 +37,7 @@ def test_chunked_eager_sync_plan_matches_unmodified(tmp_path: Path) -> None:
     assert r["worst_err"] <= TOL, r
 
 
-_EP2_CASES = [{"name": t, "model_type": t} for t in ("qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral")]
+_EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 
 

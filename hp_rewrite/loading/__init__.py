@@ -4,7 +4,8 @@ See :mod:`hp_rewrite.loading.tiny`.
 """
 
 from .tiny import (
-    KEEP_NONE,
+    FAMILY_DEFAULTS,
+    KEEP_OFF,
     SHRINK_RULES,
     TEXT_TOKEN_LIMIT,
     TinyError,
@@ -21,7 +22,8 @@ from .tiny import (
 )
 
 __all__ = [
-    "KEEP_NONE",
+    "FAMILY_DEFAULTS",
+    "KEEP_OFF",
     "SHRINK_RULES",
     "TEXT_TOKEN_LIMIT",
     "TinyError",

@@ -1,24 +1,32 @@
 """Tiny random-weight transformers models, built from config classes only (nothing is downloaded).
 
-``tiny_config`` shrinks any transformers config (a model type name or a config object, e.g. one read
-from a checkpoint directory) to a model small enough for a CPU test, keeping every MoE code path:
+``tiny_config`` shrinks any transformers config (a model type name, or a config object such as one
+read from a checkpoint directory) to a model small enough for a CPU test, keeping its MoE code paths:
 
-* every size comes from one table, :data:`SHRINK_RULES`, of ``(attribute, value)`` pairs. A rule is
-  applied to the top-level config and, recursively, to every sub-config (``text_config``,
-  ``vision_config``, ...) that *has* the attribute. Integer lists (e.g. per-modality intermediate
-  sizes) get the value element-wise. Attributes in :data:`KEEP_NONE` stay ``None`` when they are
-  ``None`` (an optional feature that is off, such as ``q_lora_rank`` in DeepSeek-V2-Lite).
-* a few documented fix-ups then restore the invariants the table cannot express: per-layer lists
-  are resized to the new layer count with at least one sparse (MoE) layer, layer-index lists are
-  filtered, MLA models get as many key/value heads as query heads, M-RoPE sections are rescaled to
-  the new head size and special token ids are moved to the top of the 128-token vocabulary (so ids
-  below :data:`TEXT_TOKEN_LIMIT` are always plain text tokens).
+* Every size comes from one table, :data:`SHRINK_RULES`, of ``(attribute, value)`` pairs, applied to
+  the config and, recursively, to every sub-config (``text_config``, ``vision_config``, ...) that
+  *has* the attribute (``attribute_map`` aliases count). Lists of numbers (per-modality sizes) get
+  the value element-wise; attributes in :data:`KEEP_OFF` that are ``None`` or 0 stay so (a feature
+  that is off, e.g. ``q_lora_rank`` in DeepSeek-V2-Lite). Per-layer overrides of heterogeneous
+  configs (``per_layer_config``) are shrunk by the same table.
+* Then a few fix-ups restore what the table cannot express (each a small function below):
+  per-layer lists (``layer_types``, ``mlp_layer_types``, hybrid patterns, ...) keep the entries of
+  the layers picked to cover an MoE layer, an attention layer and as many other kinds as fit, and
+  layer-index lists (``moe_layers``, ``mlp_only_layers``, ...) are renumbered to them; per-layer
+  lists a default config leaves ``None`` are filled in; an all-linear hybrid gets one attention
+  layer; multi-head attention stays multi-head and MLA gets as many key/value heads as query heads
+  with ``head_dim`` tied to the same MLA size as before; M-RoPE sections are rescaled to the new
+  rotary size; backbone stage names follow the layer count; special token ids move to the top of
+  the 128-token vocabulary (ids below :data:`TEXT_TOKEN_LIMIT` are plain text tokens). Values that
+  modeling code hard-codes when the config lacks them are filled in first (:data:`FAMILY_DEFAULTS`,
+  the only per-family data). When a family rejects top-k 2, it keeps its own top-k.
 
-``build_tiny_model`` builds the model with the right Auto class, in fp32, ``eval()``, with eager
-attention, and randomises router weights, router biases and selection-bias buffers (transformers
-initialises several of them to zeros, which makes routing degenerate). ``make_tiny`` writes a real
-checkpoint (``config.json`` + ``model.safetensors``) atomically. ``moe_model_types`` finds, by
-structure, every model type of the installed transformers whose tiny model has MoE experts.
+``build_tiny_model`` builds the model with the right class (:func:`auto_class_for`), in fp32,
+``eval()``, with eager attention, and randomises router weights, router biases and selection-bias
+buffers (:func:`randomise_routers`; transformers initialises several to zeros, which makes routing
+degenerate). ``make_tiny`` writes a real checkpoint (``config.json`` + ``model.safetensors``)
+atomically. ``moe_model_types`` finds, by structure, every model type of the installed transformers
+whose tiny model has experts holders (:func:`experts_holders`). Nothing is cached between calls.
 """
 
 from __future__ import annotations
@@ -36,13 +44,15 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
-    "KEEP_NONE",
+    "FAMILY_DEFAULTS",
+    "KEEP_OFF",
     "SHRINK_RULES",
     "TEXT_TOKEN_LIMIT",
     "TinyError",
@@ -100,6 +110,9 @@ SHRINK_RULES: tuple[tuple[str, Any], ...] = (
     ("index_n_heads", 2), ("index_head_dim", 16), ("index_topk", 4), ("index_kpool", 2),
     ("indexer_n_heads", 2), ("indexer_kv_heads", 1), ("indexer_head_dim", 16), ("indexer_budget", 8),
     ("indexer_compress_ratio", 4),
+    # linear-attention mixers (gated delta net, KDA, ...)
+    ("linear_num_heads", 4), ("linear_head_dim", 16), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
+    ("linear_key_head_dim", 16), ("linear_value_head_dim", 16),
     # state-space mixers (hybrid models): heads * head size == expand * hidden size
     ("mamba_n_heads", 8), ("mamba_d_head", 16), ("mamba_expand", 2), ("mamba_d_state", 16),
     ("mamba_num_heads", 8), ("mamba_head_dim", 16), ("ssm_state_size", 16), ("mamba_chunk_size", 16),
@@ -130,11 +143,14 @@ SHRINK_RULES: tuple[tuple[str, Any], ...] = (
     # vocabulary and positions
     ("vocab_size", VOCAB), ("unpadded_vocab_size", VOCAB), ("vocab_size_per_layer_input", VOCAB),
     ("max_position_embeddings", 128),
+    # a window wider than any test sequence: masks are built, nothing is cut (None -> a window too:
+    # some models build a sliding mask unconditionally)
+    ("sliding_window", 64),
 )
 # fmt: on
 
 #: Attributes that stay ``None`` (or 0) when ``None`` (or 0): that switches an optional feature off.
-KEEP_NONE = frozenset(
+KEEP_OFF = frozenset(
     {
         "q_lora_rank",
         "qk_rope_head_dim",
@@ -153,15 +169,22 @@ KEEP_NONE = frozenset(
     }
 )
 
+#: Values some modeling code hard-codes when the config does not carry them (so the table cannot
+#: shrink them): ``{model_type: {attribute or "dict_attribute.key": value}}``, filled in before the
+#: table is applied, then shrunk like any other value. The only per-family data in this module.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # M-RoPE over (temporal, height, width) with head_dim 128, partial rotary 0.5 / full rotary
+    "glm4v_moe_text": {"rope_parameters.mrope_section": [8, 12, 12]},
+    "ernie4_5_vl_moe_text": {"rope_parameters.mrope_section": [22, 22, 20]},
+}
+
 # Attributes that count a model's layers, in order of preference (used by the per-layer fix-ups).
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "depth", "decoder_layers", "encoder_layers")
 # Values that mark a per-layer MLP entry as sparse (MoE) or dense.
 _SPARSE_MARKS = ("sparse", "moe")
 _EXPERT_ATTR = re.compile(r"expert", re.IGNORECASE)
 _ROUTER_PARTS = frozenset({"gate", "router", "wg", "classifier", "moe_statics", "router_gate"})
-_ROUTER_LEAVES = frozenset(
-    {"e_score_correction_bias", "expert_bias", "balancing_biases", "router_bias", "per_expert_scale"}
-)
+_ROUTER_LEAVES = frozenset({"e_score_correction_bias", "expert_bias", "router_bias", "per_expert_scale"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,10 +226,17 @@ def _has_attr(cfg, name: str) -> bool:
     return name in vars(cfg) or name in type(cfg).attribute_map
 
 
-def _layer_count(cfg) -> tuple[str, int] | None:
+def _layer_count(cfg) -> tuple[str, int, bool] | None:
+    """``(name, count, settable)`` of the attribute that counts a config's layers; a count that is
+    a read-only property (derived from a per-layer list) is not settable."""
     for name in _LAYER_COUNTS:
-        if _has_attr(cfg, name) and isinstance(getattr(cfg, name), int):
-            return name, getattr(cfg, name)
+        settable = _has_attr(cfg, name)
+        try:
+            value = getattr(cfg, name) if settable or hasattr(type(cfg), name) else None
+        except Exception:
+            value = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value, settable
     return None
 
 
@@ -215,7 +245,7 @@ _UNCHANGED = object()
 
 def _shrunk_value(name: str, old: Any, value: Any, skip: frozenset[str]) -> Any:
     """The value rule ``(name, value)`` gives an attribute that holds ``old``, or ``_UNCHANGED``."""
-    if name in skip or ((old is None or old == 0) and name in KEEP_NONE):
+    if name in skip or ((old is None or old == 0) and name in KEEP_OFF):
         return _UNCHANGED
     if isinstance(old, bool) and not isinstance(value, bool):
         return _UNCHANGED  # a flag that shares a name with a size
@@ -234,93 +264,174 @@ def _apply_rules(cfg, skip: frozenset[str]) -> None:
                 setattr(cfg, name, new)
 
 
-def _shrink_overrides(overrides: dict[int, dict[str, Any]], n: int, skip: frozenset[str]) -> dict:
-    """Per-layer overrides of a heterogeneous config, for the layers kept, shrunk by the same table."""
+def _shrink_overrides(cfg, overrides: dict[int, dict[str, Any]], keep: list[int], before, skip) -> dict:
+    """Per-layer overrides of a heterogeneous config, for the layers kept (renumbered), shrunk by
+    the same table and the attention fix-ups (on the layer's view: global values overlaid with its
+    overrides); overrides equal to the shrunk global value are dropped."""
     rules = dict(SHRINK_RULES)
+    glob = {k: v for k, v in vars(cfg).items() if not k.startswith("_") and not _is_config(v)}
     out = {}
-    for layer, attrs in overrides.items():
-        if layer >= n:
-            continue
+    for layer, orig in enumerate(keep):
+        attrs = overrides.get(orig, {})
         kept = {}
         for name, old in attrs.items():
             new = _shrunk_value(name, old, rules[name], skip) if name in rules else _UNCHANGED
             kept[name] = old if new is _UNCHANGED else new
-        out[layer] = kept
+        view = SimpleNamespace(**copy.deepcopy({**glob, **kept}))
+        _fix_attention(view, {**before, **attrs})
+        # what differs from the global values: the overrides, and sizes the fix-ups changed
+        kept = {
+            k: v
+            for k, v in vars(view).items()
+            if k == "skip" or (v != glob.get(k) and (k in attrs or k != "rope_parameters"))
+        }
+        if kept:
+            out[layer] = kept
     return out
 
 
-def _resize_per_layer(values: list | tuple, n: int) -> list:
-    """A per-layer list cut to ``n`` entries; an MLP-type list keeps at least one sparse entry
-    (the last), an attention-type list keeps as many of its distinct kinds as fit."""
-    out = list(values[:n])
-    kinds = list(dict.fromkeys(v for v in values if isinstance(v, str)))
-    sparse = [k for k in kinds if k in _SPARSE_MARKS]
-    if sparse:
-        if not any(v in sparse for v in out):
-            out[-1] = sparse[0]
-        return out
-    missing = [k for k in kinds if k not in out]
-    for i, kind in zip(range(len(out) - 1, 0, -1), missing):
-        if out.count(out[i]) > 1:
-            out[i] = kind
-    return out
+def _is_index_list(name: str, value: Any) -> bool:
+    """A list of layer indices (``moe_layers``, ``mlp_only_layers``, ``deepstack_visual_indexes``):
+    named so, integers, strictly increasing (a per-layer 0/1 list such as ``no_rope_layers`` is not)."""
+    if name.startswith("_") or not isinstance(value, (list, tuple)) or not value or not _ints(*value):
+        return False
+    if not re.search(r"(layers|indexes|indices|layer_ids|layer_idx)$", name):
+        return False
+    return all(a < b for a, b in zip(value[:-1], value[1:], strict=True)) and value[0] >= 0
 
 
-def _fix_layers(cfg, old_layers: int | None) -> None:
-    """Per-layer lists and layer-index lists follow the new layer count."""
+def _select_layers(per_layer: list[list], old: int, n: int) -> list[int]:
+    """The ``n`` original layers the tiny model keeps (in order): chosen greedily to cover the kinds
+    named in the per-layer lists, a sparse (MoE) kind and an attention kind (other than linear
+    attention) first, then every other kind; ties go to the lowest layer index."""
+    kinds: dict[str, set[int]] = {}
+    for values in per_layer:
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                kinds.setdefault(v, set()).add(i)
+    weight = {k: 1 for k in kinds}
+    for k in [k for k in kinds if k in _SPARSE_MARKS][:1]:
+        weight[k] = 4
+    for k in [k for k in kinds if k.endswith("attention") and k != "linear_attention"][:1]:
+        weight[k] = 2
+    chosen: list[int] = []
+    covered: set[str] = set()
+    while len(chosen) < n:
+
+        def gain(i: int) -> int:
+            return sum(w for k, w in weight.items() if k not in covered and i in kinds[k])
+
+        best = max((i for i in range(old) if i not in chosen), key=lambda i: (gain(i), -i))
+        chosen.append(best)
+        covered.update(k for k in kinds if best in kinds[k])
+    return sorted(chosen)
+
+
+def _ensure_attention_layer(cfg) -> None:
+    """A hybrid model whose layer types are all linear (state-space) mixers gets one full-attention
+    layer (the first): transformers' caches need one, and the tiny model covers both mixers."""
+    types = vars(cfg).get("layer_types")
+    if isinstance(types, list) and len(types) > 1 and all(isinstance(t, str) for t in types):
+        if "linear_attention" in types and not any(
+            t.endswith("attention") and t != "linear_attention" for t in types
+        ):
+            cfg.layer_types = ["full_attention"] + types[1:]
+
+
+def _fix_layers(cfg, old_layers: int | None) -> list[int] | None:
+    """Per-layer lists (and one-character-per-layer patterns) keep the entries of the layers
+    :func:`_select_layers` picks; layer-index lists are renumbered to them (an emptied ``*moe*``
+    list gets the last layer). A config whose layer count is derived from a per-layer list gets
+    :data:`LAYERS` entries. Returns the original index of each kept layer."""
     count = _layer_count(cfg)
     if count is None or old_layers is None:
-        return
-    n = count[1]
+        return None
+    n = count[1] if count[2] else min(LAYERS, old_layers)
+    if old_layers <= n:
+        return list(range(old_layers))
+    lists = {
+        name: value
+        for name, value in vars(cfg).items()
+        if not name.startswith("_")
+        and name not in _LAYER_COUNTS
+        and not _is_index_list(name, value)
+        and (
+            (isinstance(value, (list, tuple)) and len(value) == old_layers)
+            or (isinstance(value, str) and len(value) == old_layers and name.endswith("pattern"))
+        )
+    }
+    keep = _select_layers([list(v) for v in lists.values()], old_layers, n)
+    for name, value in lists.items():
+        picked = [value[i] for i in keep]
+        setattr(cfg, name, "".join(picked) if isinstance(value, str) else picked)
     for name, value in list(vars(cfg).items()):
-        if name.startswith("_") or name in _LAYER_COUNTS:
+        if name in lists or not _is_index_list(name, value):
             continue
-        if isinstance(value, (list, tuple)) and len(value) == old_layers and old_layers > n:
-            setattr(cfg, name, _resize_per_layer(value, n))
-        elif isinstance(value, str) and len(value) == old_layers and old_layers > n and name.endswith("pattern"):
-            # hybrid patterns such as "M-M*-..." (one character per layer): keep one of each kind
-            setattr(cfg, name, "".join(_resize_per_layer(list(value), n)))
-    # lists of layer indices: keep those below n, never leave an "MoE layers" list empty
-    for name, value in list(vars(cfg).items()):
-        if name.startswith("_") or not isinstance(value, (list, tuple)) or not value:
-            continue
-        if not re.search(r"(layers|indexes|indices|layer_ids|layer_idx)$", name):
-            continue
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            continue
-        if len(value) == n and not (max(value) >= n):
-            continue
-        kept = [v for v in value if v < n]
+        kept = [new for new, orig in enumerate(keep) if orig in set(value)]
         if not kept and "moe" in name:
             kept = [n - 1]
-        setattr(cfg, name, type(value)(kept) if isinstance(value, tuple) else kept)
+        if kept != list(value):
+            setattr(cfg, name, type(value)(kept) if isinstance(value, tuple) else kept)
+    return keep
 
 
-def _fix_attention(cfg) -> None:
-    # MLA attention repeats no key/value heads: as many as query heads
-    if _has_attr(cfg, "kv_lora_rank") and getattr(cfg, "kv_lora_rank", None):
-        if _has_attr(cfg, "num_key_value_heads") and _has_attr(cfg, "num_attention_heads"):
+def _fix_attention(cfg, before: dict[str, Any]) -> None:
+    """Relations between head counts and head sizes that the table cannot express."""
+    heads, kv = before.get("num_attention_heads"), before.get("num_key_value_heads")
+    mla = bool(vars(cfg).get("kv_lora_rank"))
+    # multi-head (not grouped) attention stays so; MLA repeats no key/value heads either
+    if "num_key_value_heads" in vars(cfg) and isinstance(cfg.num_attention_heads, int):
+        if mla or (isinstance(heads, int) and heads == kv):
             cfg.num_key_value_heads = cfg.num_attention_heads
-        if _has_attr(cfg, "qk_head_dim"):
-            cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        if _has_attr(cfg, "head_dim") and _has_attr(cfg, "qk_rope_head_dim"):
-            cfg.head_dim = cfg.qk_rope_head_dim
+    if mla:
+        if before.get("qk_nope_head_dim") == before.get("qk_rope_head_dim") and "qk_nope_head_dim" in vars(
+            cfg
+        ):
+            cfg.qk_nope_head_dim = cfg.qk_rope_head_dim  # equal parts stay equal (partial rotary 0.5)
+        nope, rope_dim = vars(cfg).get("qk_nope_head_dim"), vars(cfg).get("qk_rope_head_dim")
+        if "qk_head_dim" in vars(cfg) and isinstance(nope, int) and isinstance(rope_dim, int):
+            cfg.qk_head_dim = nope + rope_dim
+        # head_dim is one of the MLA sizes (or their sum): keep the same one
+        old, b_nope, b_rope = (
+            before.get("head_dim"),
+            before.get("qk_nope_head_dim"),
+            before.get("qk_rope_head_dim"),
+        )
+        total = (b_nope + b_rope, nope + rope_dim) if _ints(b_nope, b_rope, nope, rope_dim) else (None, None)
+        pairs = [(before.get(k), vars(cfg).get(k)) for k in ("qk_rope_head_dim", "qk_head_dim", "v_head_dim")]
+        for was, now in [*pairs[:2], total, *pairs[2:]]:
+            if "head_dim" in vars(cfg) and old is not None and was == old and isinstance(now, int):
+                cfg.head_dim = now
+                break
     # M-RoPE sections must add up to half the rotary dimension
-    rope = getattr(cfg, "rope_parameters", None) if _has_attr(cfg, "rope_parameters") else None
-    head_dim = getattr(cfg, "head_dim", None) if _has_attr(cfg, "head_dim") else None
+    rope = vars(cfg).get("rope_parameters")
+    head_dim = vars(cfg).get("head_dim")
+    if not isinstance(head_dim, int) and isinstance(vars(cfg).get("hidden_size"), int):
+        head_dim = cfg.hidden_size // max(1, vars(cfg).get("num_attention_heads") or 1)
     if isinstance(rope, dict) and isinstance(head_dim, int):
-        factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+        factor = rope.get("partial_rotary_factor", vars(cfg).get("partial_rotary_factor", 1.0)) or 1.0
         half = int(head_dim * factor) // 2
-        for key in ("mrope_section",):
-            section = rope.get(key)
-            if isinstance(section, (list, tuple)) and section and sum(section) != half:
-                rope[key] = _rescale_section(section, half)
+        section = rope.get("mrope_section")
+        if isinstance(section, (list, tuple)) and section and sum(section) != half:
+            rope["mrope_section"] = _rescale_section(section, half)
+
+
+def _ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _rescale_section(section, total: int) -> list[int]:
+    """``section`` scaled to add up to ``total``, every part at least 1 (largest remainders)."""
     s = sum(section)
-    out = [max(1, round(v * total / s)) for v in section]
-    out[0] += total - sum(out)
+    raw = [v * total / s for v in section]
+    out = [max(1, int(r)) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    i = 0
+    while sum(out) < total:
+        out[order[i % len(order)]] += 1
+        i += 1
+    while sum(out) > total and max(out) > 1:
+        out[out.index(max(out))] -= 1
     return out
 
 
@@ -342,6 +453,17 @@ def _fix_token_ids(cfg, remap: dict[int, int]) -> None:
             setattr(cfg, name, move(value))
         elif isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
             setattr(cfg, name, type(value)(move(v) if v >= 0 else v for v in value))
+
+
+def _fill_family_defaults(cfg) -> None:
+    for key, value in FAMILY_DEFAULTS.get(getattr(cfg, "model_type", ""), {}).items():
+        name, _, item = key.partition(".")
+        if item:
+            holder = vars(cfg).get(name)
+            if isinstance(holder, dict) and item not in holder:
+                holder[item] = copy.deepcopy(value)
+        elif vars(cfg).get(name) is None:
+            setattr(cfg, name, copy.deepcopy(value))
 
 
 def _fill_missing_layer_lists(cfg) -> None:
@@ -378,21 +500,22 @@ def _shrink(cfg, remap: dict[int, int], skip: frozenset[str], depth: int = 0) ->
     overrides = copy.deepcopy(spec.per_layer_overrides) if spec is not None else None
     if spec is not None:
         cfg.per_layer_config = None  # shrink the global values, then the overrides of kept layers
+    _fill_family_defaults(cfg)
+    before = dict(vars(cfg))
     count = _layer_count(cfg)
     old_layers = count[1] if count else None
     _apply_rules(cfg, skip)
-    _fix_layers(cfg, old_layers)
+    keep = _fix_layers(cfg, old_layers)
     _fill_missing_layer_lists(cfg)
+    _ensure_attention_layer(cfg)
     _fix_backbone(cfg)
-    _fix_attention(cfg)
+    _fix_attention(cfg, before)
     _fix_token_ids(cfg, remap)
-    if overrides:
+    if overrides is not None:
+        # set even when empty: some configs regenerate default overrides when none are given
         count = _layer_count(cfg)
-        kept = _shrink_overrides(overrides, count[1] if count else 0, skip)
-        kept = {i: {k: v for k, v in a.items() if k == "skip" or v != vars(cfg).get(k)} for i, a in kept.items()}
-        kept = {i: a for i, a in kept.items() if a}
-        if kept:
-            cfg.per_layer_config = kept
+        keep = keep if keep is not None else list(range(count[1] if count else 0))
+        cfg.per_layer_config = _shrink_overrides(cfg, overrides, keep, before, skip)
     for _, sub in _sub_configs(cfg):
         _shrink(sub, remap, skip, depth + 1)
 
@@ -400,7 +523,9 @@ def _shrink(cfg, remap: dict[int, int], skip: frozenset[str], depth: int = 0) ->
 # Rules dropped, in this order, when a family's config rejects the full table ("where the family
 # allows"): e.g. a model that supports top-1 routing only keeps its own top-k.
 _SOFT_RULES = (
-    frozenset({"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k", "top_k_experts"}),
+    frozenset(
+        {"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k", "top_k_experts"}
+    ),
 )
 
 
@@ -412,7 +537,9 @@ def tiny_config(model_type_or_config):
     elif _is_config(model_type_or_config):
         cfg = copy.deepcopy(model_type_or_config)
     else:
-        raise TinyError(f"expected a model type name or a transformers config, got {type(model_type_or_config)}")
+        raise TinyError(
+            f"expected a model type name or a transformers config, got {type(model_type_or_config)}"
+        )
     model_type = getattr(cfg, "model_type", "?")
     first_error: Exception | None = None
     for skip in (frozenset(), *_SOFT_RULES):
@@ -420,7 +547,9 @@ def tiny_config(model_type_or_config):
             return _shrunk_config(cfg, skip)
         except Exception as e:
             first_error = first_error or e
-    raise TinyError(f"{model_type}: the shrunk config does not validate: {_short(first_error)}") from first_error
+    raise TinyError(
+        f"{model_type}: the shrunk config does not validate: {_short(first_error)}"
+    ) from first_error
 
 
 def _shrunk_config(cfg, skip: frozenset[str]):
@@ -451,10 +580,14 @@ _AUTO_CLASSES = (
 )
 
 
+# Auto classes whose mapped model class is returned instead of the Auto class itself.
+_CONCRETE = frozenset({"AutoBackbone"})
+
+
 def auto_class_for(config) -> type:
     """The class that builds and reloads the model of ``config``: an Auto class (causal LM first,
-    then image-text-to-text, multimodal LM, seq2seq, base model, ...), or, for a config type no Auto
-    mapping lists (e.g. a sub-model's text config), the model class of its modeling module that
+    then image-text-to-text, multimodal LM, seq2seq, base model, ...; for a backbone the model class
+    it maps to), or, for a config type no Auto mapping lists (e.g. a sub-model's text config), the model class of its modeling module that
     declares it (``...ForCausalLM`` first, then ``...Model``). Both have ``from_pretrained``; build
     with :func:`build_tiny_model`."""
     import transformers
@@ -465,12 +598,14 @@ def auto_class_for(config) -> type:
         if mapping is None:
             continue
         with contextlib.suppress(KeyError, ValueError, ImportError, AttributeError):
-            if type(config) in mapping.keys():
-                mapping[type(config)]  # noqa: B018  (raises when the model class is missing)
-                return auto
+            model_class = mapping[type(config)]  # KeyError when not mapped; loads only this class
+            # AutoBackbone.from_pretrained asks the Hub whether a local path is a repository
+            return model_class if name in _CONCRETE else auto
     cls = _declared_model_class(config)
     if cls is None:
-        raise TinyError(f"{config.model_type}: no Auto class and no model class declares {type(config).__name__}")
+        raise TinyError(
+            f"{config.model_type}: no Auto class and no model class declares {type(config).__name__}"
+        )
     return cls
 
 
@@ -485,7 +620,9 @@ def _declared_model_class(config) -> type | None:
     found = [
         obj
         for _, obj in inspect.getmembers(module, inspect.isclass)
-        if issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__ and obj.config_class is type(config)
+        if issubclass(obj, PreTrainedModel)
+        and obj.__module__ == module.__name__
+        and obj.config_class is type(config)
     ]
 
     def rank(cls: type) -> tuple[int, str]:
@@ -567,9 +704,10 @@ def randomise_routers(model: nn.Module, seed: int = 0) -> list[str]:
     """Randomise the router tensors of every MoE block (the holder's parent module): tensors
     outside the experts holder whose path has a router part (``gate``, ``router``, ``wg``,
     ``classifier``, ...) or a selection-bias name (``e_score_correction_bias``, ``expert_bias``,
-    ...), and every all-zero floating tensor of the block. Weights get N(0, 0.2), 1-D tensors
-    N(0, 0.05), constant non-zero scales ``c`` get ``c * (1 + N(0, 0.05))``. Only persistent
-    tensors (those ``save_pretrained`` writes) are touched. Returns the names randomised."""
+    ...), and every all-zero floating tensor of the block. Weights (2-D and up) get N(0, 0.2);
+    all-zero 1-D tensors N(0, 0.05); constant 1-D scales ``c`` get ``c * (1 + N(0, 0.05))``; 1-D
+    tensors that already vary keep their values. Only persistent tensors (those
+    ``save_pretrained`` writes) are touched. Returns the names randomised."""
     gen = torch.Generator().manual_seed(seed + 1)
     holders = experts_holders(model)
     holder_names = {h for h, _, _ in holders}
@@ -591,13 +729,16 @@ def randomise_routers(model: nn.Module, seed: int = 0) -> list[str]:
             zero = bool((t == 0).all())
             if not (named or zero):
                 continue
+            constant = bool((t == t.reshape(-1)[0]).all())
+            if t.dim() < 2 and not constant:
+                continue  # a deliberate pattern (e.g. a skip class biased to -1): transformers may re-apply it on load
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
             if t.dim() >= 2:
                 t.copy_(noise * 0.2)
-            elif not zero and bool((t == t.reshape(-1)[0]).all()):
-                t.copy_(t * (1 + 0.05 * noise))
-            else:
+            elif zero:
                 t.copy_(noise * 0.05)
+            else:
+                t.copy_(t * (1 + 0.05 * noise))
             done.append(full)
     return done
 

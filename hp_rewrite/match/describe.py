@@ -23,6 +23,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from torch import nn
@@ -34,9 +35,7 @@ from .structure import analyze_block, experts_layout, find_experts_holders
 UNTOUCHED = "left untouched by hp-rewrite"
 _EXPERT_COUNT = re.compile(r"^(?:moe_)?(?:num|n)_(?:local_|routed_)?experts$")
 _DATA_PARALLEL = "run it data-parallel (every rank keeps all experts; hp-rewrite needs no plan entry for it)"
-_EXTENSION = (
-    "or write an archetype extension for it (a Python module named under the plan's `extensions:`)"
-)
+_EXTENSION = "or write an archetype extension for it (a Python module named under the plan's `extensions:`)"
 
 # -- small helpers ---------------------------------------------------------------------------------
 
@@ -120,6 +119,12 @@ def ep_size_for(num_experts: int) -> int:
     return next((n for n in (8, 4, 2) if num_experts % n == 0), 1)
 
 
+def _same_level_match(path: str, glob: str) -> bool:
+    """``glob`` matches ``path`` component by component (not a descendant of a matching module)."""
+    parts, pattern = path.split("."), glob.split(".")
+    return len(parts) == len(pattern) and all(fnmatchcase(a, b) for a, b in zip(parts, pattern, strict=True))
+
+
 def plan_snippet(globs: list[str], num_experts: int, experts_level: bool, comment: str = "") -> str:
     lines = [f"# {line}" for line in comment.splitlines()] if comment else []
     lines += ["version: 1", f"ep_size: {ep_size_for(num_experts)}", "modules:", "  include:"]
@@ -189,7 +194,10 @@ def _logit_layers(scope: nn.Module, scope_path: str, skip: str, depth: int = 2) 
 def _find_router(model: nn.Module, path: str, num_experts: int, hidden: int | None = None) -> str | None:
     """A Linear producing ``num_experts`` logits next to ``path``: in its parent or grandparent."""
     parent_path, parent = _parent(model, path)
-    for scope_path, scope in ((parent_path, parent), _parent(model, parent_path) if parent_path else ("", None)):
+    for scope_path, scope in (
+        (parent_path, parent),
+        _parent(model, parent_path) if parent_path else ("", None),
+    ):
         if scope is None:
             continue
         for p, out, inp in _logit_layers(scope, scope_path, path):
@@ -236,6 +244,54 @@ def _match_all(model: nn.Module) -> list[MatchResult | tuple[str, nn.Module, str
     return out
 
 
+#: Above this many bytes for one fp32 block copy, archetypes are confirmed on a shrunk config instead.
+MATERIALIZE_LIMIT = 2 << 30
+
+
+def _largest_block_bytes(model: nn.Module) -> int:
+    sizes = [0]
+    for path, _ in find_experts_holders(model):
+        _, block = _parent(model, path)
+        sizes.append(sum(p.numel() * 4 for p in (block or model).parameters()))
+    return max(sizes)
+
+
+def _match_via_small_copy(model: nn.Module, config, size: int) -> tuple[list, str]:
+    """Blocks too large to materialise: the structure comes from ``model``, the archetype of each block
+    class from the same classes in a shrunk copy of ``config`` (same code paths, tiny sizes)."""
+    from ..loading.tiny import tiny_config
+    from .structure import find_blocks
+
+    gib = f"{size / 2**30:.1f} GiB"
+    try:
+        small = build_meta_model(tiny_config(config))[0]
+        small_results = [r for r in _match_all(small) if isinstance(r, MatchResult)]
+        known = {
+            (type(r.structure.block), r.structure.experts_name, type(r.structure.experts)): r
+            for r in small_results
+        }
+        why = ""
+    except Exception as e:  # noqa: BLE001 - the shrunk copy is a convenience; say why it failed
+        known, why = {}, _short(e)
+    out = []
+    for s in find_blocks(model):
+        r = known.get((type(s.block), s.experts_name, type(s.experts)))
+        if r is not None:
+            out.append(MatchResult(s, r.archetype, r.reason, list(r.tried)))
+        else:
+            reason = (
+                f"not confirmed: one block would need {gib} to materialise and the shrunk copy of the config "
+                + (f"failed ({why})" if why else "has no block of this class")
+                + "; run `hp-rewrite make-tiny --from-config` and describe that checkpoint"
+            )
+            out.append(MatchResult(s, None, reason))
+    note = (
+        f"one MoE block would need {gib} in fp32 to confirm its archetype by execution: archetypes were "
+        "confirmed on the same block classes in a shrunk copy of this config"
+    )
+    return out, note
+
+
 def _top_k(block: nn.Module, router: nn.Module | None) -> int | None:
     for owner in (router, block):
         k = _int_attr(getattr(owner, "top_k", None)) if owner is not None else None
@@ -273,7 +329,13 @@ def _holder_entry(r: MatchResult) -> tuple[tuple, dict]:
         "archetype": archetype,
         "reason": None if r.archetype is not None else (r.reason or "no archetype reproduces the block"),
         "tried": list(r.tried),
+        "action": None if r.archetype is not None else _ACTIONS["unmatched"],
     }
+    if r.archetype is not None and r.archetype.level == "experts" and not r.tried:
+        entry["tried"].append(
+            f"block level: no candidate for the router `{s.router_name}`: its forward(hidden) does not return "
+            "(logits, top_k_weights, top_k_index)"
+        )
     key = (
         type(s.block),
         type(s.experts),
@@ -286,7 +348,8 @@ def _holder_entry(r: MatchResult) -> tuple[tuple, dict]:
     return key, entry
 
 
-def _finish_group(entry: dict) -> None:
+def _finish_group(entry: dict, untouched: list[str]) -> None:
+    """Add the plan snippet; ``untouched`` are module paths the glob also matches that are no MoE block."""
     st = entry["structure"]
     globs = list(dict.fromkeys(path_glob(p) for p in entry["paths"]))
     n = st["num_experts"]
@@ -297,7 +360,8 @@ def _finish_group(entry: dict) -> None:
             if experts_level
             else "the whole block forward is rewritten"
         )
-        comment = f"{entry['class']}: {n} experts over ep_size ranks; {how}"
+        ep = ep_size_for(n)
+        comment = f"{entry['class']}: {n} experts, {n // ep} per rank at ep_size {ep}; {how}"
     else:
         experts_level = False
         comment = (
@@ -305,8 +369,11 @@ def _finish_group(entry: dict) -> None:
             f"reported unmatched and {UNTOUCHED} until an extension handles it:\n"
             "extensions: [my_package.my_archetype]"
         )
-    if len(globs) == 1 and globs[0] != entry["paths"][0] and len(entry["paths"]) > 1:
-        comment += "\nthe glob can match dense modules at the same path too: those are never touched"
+    if untouched:
+        comment += (
+            f"\nthe glob also matches {len(untouched)} module(s) that are not MoE blocks ({compact_paths(untouched)}):"
+            "\nthose (e.g. dense MLP layers) are never touched"
+        )
     entry["plan_snippet"] = plan_snippet(globs, n, experts_level, comment)
 
 
@@ -330,12 +397,14 @@ def _contract_failures(module: nn.Module, model: nn.Module, path: str) -> list[t
     if len(set(dims.values())) > 1:
         listing = ", ".join(f"{n} {d}" for n, d in dims.items())
         low = min(dims.values())
-        fails.append((
-            "unequal-expert-dims",
-            f"its per-expert weights disagree on the number of experts (dim 0: {listing}): extra rows "
-            f"such as identity 'zero' experts (ids >= {low} computed as identity, not as an FFN), which "
-            "expert-parallel dispatch cannot shard",
-        ))
+        fails.append(
+            (
+                "unequal-expert-dims",
+                f"its per-expert weights disagree on the number of experts (dim 0: {listing}): extra rows "
+                f"such as identity 'zero' experts (ids >= {low} computed as identity, not as an FFN), which "
+                "expert-parallel dispatch cannot shard",
+            )
+        )
     if declared is None:
         fails.append(("no-num-experts", "it has no integer `num_experts` attribute"))
     layout = None
@@ -343,31 +412,37 @@ def _contract_failures(module: nn.Module, model: nn.Module, path: str) -> list[t
         layout = ExpertsLayout.of(module)
     except ExpertParallelError:
         names = ", ".join(sorted(dims)) or "none"
-        fails.append((
-            "unknown-weight-names",
-            f"its weight names ({names}) are none the runtime knows: 3-D gate_up_proj (or up_proj) + "
-            "down_proj, gate_proj/up_proj/down_proj, or w1/w3/w2",
-        ))
+        fails.append(
+            (
+                "unknown-weight-names",
+                f"its weight names ({names}) are none the runtime knows: 3-D gate_up_proj (or up_proj) + "
+                "down_proj, gate_proj/up_proj/down_proj, or w1/w3/w2",
+            )
+        )
     if layout is not None and declared is not None:
         wrong = [n for n in layout.weight_names if getattr(module, n).shape[0] != declared]
         if wrong:
-            fails.append((
-                "unequal-expert-dims",
-                f"num_experts is {declared} but dim 0 of {', '.join(wrong)} is not",
-            ))
+            fails.append(
+                (
+                    "unequal-expert-dims",
+                    f"num_experts is {declared} but dim 0 of {', '.join(wrong)} is not",
+                )
+            )
     positional, varargs = _forward_param_names(module)
     if len(positional) < 3 and not varargs:
         sig = ", ".join(positional)
         n = declared or (next(iter(dims.values())) if dims else 0)
         router = _find_router(model, path, n) if n else None
         where = f" (the router `{router}` gives {n} logits outside it)" if router else ""
-        fails.append((
-            "no-routing-inputs",
-            f"forward({sig}) does not take (hidden, top_k_index, top_k_weights){where}: the routing "
-            "weights never reach the experts, so they are applied outside - to the experts' input "
-            "(dense experts run on every token, scaled by the router score) or to their stacked "
-            "outputs; sparse dispatch with output-side weights would change the results",
-        ))
+        fails.append(
+            (
+                "no-routing-inputs",
+                f"forward({sig}) does not take (hidden, top_k_index, top_k_weights){where}: the routing "
+                "weights never reach the experts, so they are applied outside - to the experts' input "
+                "(dense experts run on every token, scaled by the router score) or to their stacked "
+                "outputs; sparse dispatch with output-side weights would change the results",
+            )
+        )
     if not fails:
         fails.append(("not-a-holder", "it fails the experts-holder checks (num_experts, layout, forward)"))
     return fails
@@ -388,9 +463,10 @@ _ACTIONS = {
         "router score applied on the input side and output weight 1"
     ),
     "not-a-holder": f"{_DATA_PARALLEL}, {_EXTENSION}",
+    "unmatched": (f"{_DATA_PARALLEL} - apply reports it unmatched and leaves it as it is - {_EXTENSION}"),
     "split-expert-weights": (
-        f"{_DATA_PARALLEL}, {_EXTENSION} (its router builds its own dispatch plan; an adapter must "
-        "expose the weights as one experts holder taking (hidden, top_k_index, top_k_weights))"
+        f"{_DATA_PARALLEL}, {_EXTENSION} (an adapter must expose the weights as one experts holder "
+        "taking (hidden, top_k_index, top_k_weights))"
     ),
     "flat-2d-experts": (
         f"{_DATA_PARALLEL}, {_EXTENSION} (an adapter can view each [E*I, H] weight as [E, I, H] and "
@@ -404,6 +480,9 @@ _ACTIONS = {
     "embedding-experts": (
         f"{_DATA_PARALLEL}: embedding rows selected by product keys are not token-routed FFN experts "
         "and there is nothing to dispatch"
+    ),
+    "unrouted-expert-modules": (
+        f"{_DATA_PARALLEL}: without per-token routing there is nothing to dispatch across ranks"
     ),
     "router-without-experts": (
         f"{_DATA_PARALLEL}; if the experts exist under another structure, {_EXTENSION}"
@@ -429,11 +508,16 @@ def _check_3d(model: nn.Module, path: str, m: nn.Module) -> dict | None:
     three = _three_d(m)
     if len(three) >= 2 and all(s[0] >= 2 for s in three.values()):
         fails = _contract_failures(m, model, path)
-        reason = f"{type(m).__name__} holds 3-D per-expert weights but is not an experts holder: " + "; ".join(
-            why for _, why in fails
+        reason = (
+            f"{type(m).__name__} holds 3-D per-expert weights but is not an experts holder: "
+            + "; ".join(why for _, why in fails)
         )
         n = _int_attr(getattr(m, "num_experts", None)) or min(s[0] for s in three.values())
-        structure = {"num_experts": n, "router": _find_router(model, path, n), "failed_checks": [k for k, _ in fails]}
+        structure = {
+            "num_experts": n,
+            "router": _find_router(model, path, n),
+            "failed_checks": [k for k, _ in fails],
+        }
         return _finding(fails[0][0], path, m, reason, _direct_params(m), structure)
     # the weights split over child modules holding one 3-D tensor each
     split: dict[str, list[int]] = {}
@@ -447,11 +531,13 @@ def _check_3d(model: nn.Module, path: str, m: nn.Module) -> dict | None:
     if len(split) >= 2 and len({s[0] for s in split.values()}) == 1 and next(iter(split.values()))[0] >= 2:
         n = next(iter(split.values()))[0]
         owners = sorted({k.split(".")[0] for k in split})
+        own, varargs = _forward_param_names(m)
         reason = (
             f"its per-expert weights ({', '.join(split)}, {n} experts) are split over sub-modules "
-            f"({', '.join(owners)}) instead of one experts holder: unknown weight names for the runtime, "
-            "and no forward(hidden, top_k_index, top_k_weights) to dispatch through"
+            f"({', '.join(owners)}) instead of one experts holder, under weight names the runtime does not know"
         )
+        if len(own) < 3 and not varargs:
+            reason += f"; forward({', '.join(own)}) does not take (hidden, top_k_index, top_k_weights)"
         structure = {"num_experts": n, "router": _find_router(model, f"{path}.{owners[0]}", n)}
         params = {**_direct_params(m), **split}
         return _finding("split-expert-weights", path, m, reason, params, structure)
@@ -471,8 +557,18 @@ def _check_flat(model: nn.Module, path: str, m: nn.Module) -> dict | None:
     listing = ", ".join(f"{k} {v}" for k, v in flat.items())
     reason = (
         f"flat 2-D expert weights ({listing}: {n} experts x {rows // n} rows stacked along dim 0) "
-        "instead of 3-D [E, out, in] tensors, and no forward(hidden, top_k_index, top_k_weights)"
+        "instead of 3-D [E, out, in] tensors"
     )
+    own, _ = _forward_param_names(m)
+    up, up_varargs = _forward_param_names(parent) if parent is not None else ([], False)
+    if parent is not None and (len(up) >= 3 or up_varargs):
+        reason += (
+            f"; the enclosing {type(parent).__name__}.forward({', '.join(up)}) has the experts call signature, "
+            f"but the runtime finds no 3-D expert weights on it to shard (they are in {path.rpartition('.')[2]}, "
+            f"read through {type(m).__name__}.forward({', '.join(own)}))"
+        )
+    else:
+        reason += f"; {type(m).__name__}.forward({', '.join(own)}) does not take (hidden, top_k_index, top_k_weights)"
     structure = {"num_experts": n, "router": _find_router(model, parent_path or path, n)}
     return _finding("flat-2d-experts", path, m, reason, _direct_params(m), structure)
 
@@ -481,7 +577,9 @@ def _ffn_like(m: nn.Module, hidden: int) -> bool:
     if any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in m.modules()):
         return False
     w2 = [p for p in m.parameters() if p.dim() == 2]
-    return 2 <= len(w2) <= 4 and any(w.shape[1] == hidden for w in w2) and any(w.shape[0] == hidden for w in w2)
+    return (
+        2 <= len(w2) <= 4 and any(w.shape[1] == hidden for w in w2) and any(w.shape[0] == hidden for w in w2)
+    )
 
 
 def _check_expert_modules(model: nn.Module, path: str, m: nn.Module) -> dict | None:
@@ -494,12 +592,19 @@ def _check_expert_modules(model: nn.Module, path: str, m: nn.Module) -> dict | N
         groups.setdefault(sig, []).append(n)
     sig, names = max(groups.items(), key=lambda kv: len(kv[1]))
     count = len(names)
-    if count < 2 or _is_builtin(m.get_submodule(names[0])) and not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+    if (
+        count < 2
+        or _is_builtin(m.get_submodule(names[0]))
+        and not isinstance(m, (nn.ModuleList, nn.ModuleDict))
+    ):
         return None
     first = m.get_submodule(names[0])
     router = None
     parent_path, _ = _parent(model, path)
-    for scope_path, scope in (_parent(model, path), _parent(model, parent_path) if parent_path else ("", None)):
+    for scope_path, scope in (
+        _parent(model, path),
+        _parent(model, parent_path) if parent_path else ("", None),
+    ):
         if scope is None:
             continue
         for p, out, inp in _logit_layers(scope, scope_path, path):
@@ -509,10 +614,18 @@ def _check_expert_modules(model: nn.Module, path: str, m: nn.Module) -> dict | N
         if router:
             break
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if router is None or (head is not None and model.get_submodule(router) is head):
-        return None
+    if router is not None and head is not None and model.get_submodule(router) is head:
+        router = None
+    if router is None:
+        return _unrouted_expert_modules(path, m, names, first)
     router = path_glob(router)
-    kind_of = "ModuleList" if isinstance(m, nn.ModuleList) else "ModuleDict" if isinstance(m, nn.ModuleDict) else type(m).__name__
+    kind_of = (
+        "ModuleList"
+        if isinstance(m, nn.ModuleList)
+        else "ModuleDict"
+        if isinstance(m, nn.ModuleDict)
+        else type(m).__name__
+    )
     reason = (
         f"its {count} experts are separate modules ({names[0]} ... {names[-1]}: {type(first).__name__} in a "
         f"{kind_of}) beside the router `{router}` with {count} logits: experts as modules with "
@@ -522,6 +635,21 @@ def _check_expert_modules(model: nn.Module, path: str, m: nn.Module) -> dict | N
     params = {f"{names[0]}.{k}": _shape(p) for k, p in first.named_parameters()}
     structure = {"num_experts": count, "router": router, "expert_class": type(first).__name__}
     return _finding("expert-modules", path, m, reason, params, structure)
+
+
+def _unrouted_expert_modules(path: str, m: nn.Module, names: list[str], first: nn.Module) -> dict | None:
+    """A ModuleList / ModuleDict named like experts, with no router giving one logit per expert."""
+    if not isinstance(m, (nn.ModuleList, nn.ModuleDict)) or "expert" not in path.rpartition(".")[2].lower():
+        return None
+    count = len(names)
+    reason = (
+        f"its {count} experts are separate modules ({names[0]} ... {names[-1]}: {type(first).__name__}) and no "
+        f"Linear next to them gives {count} logits: the expert is not chosen per token by a router (it is "
+        "selected by another input, e.g. a dataset or task index)"
+    )
+    params = {f"{names[0]}.{k}": _shape(p) for k, p in first.named_parameters()}
+    structure = {"num_experts": count, "router": None, "expert_class": type(first).__name__}
+    return _finding("unrouted-expert-modules", path, m, reason, params, structure)
 
 
 def _check_embedding(model: nn.Module, path: str, m: nn.Module) -> dict | None:
@@ -561,8 +689,12 @@ def _non_contract(model: nn.Module, config, holders: list[str]) -> list[dict]:
         return any(path == r or path.startswith(r + ".") for r in roots)
 
     for path, m in model.named_modules():
-        if not path or inside(path, holders + taken) or path.rpartition(".")[0] in blocks or _is_builtin(m) and not isinstance(
-            m, (nn.ModuleList, nn.ModuleDict)
+        if (
+            not path
+            or inside(path, holders + taken)
+            or path.rpartition(".")[0] in blocks
+            or _is_builtin(m)
+            and not isinstance(m, (nn.ModuleList, nn.ModuleDict))
         ):
             continue
         if experts_layout(m) is not None:
@@ -590,7 +722,14 @@ def _non_contract(model: nn.Module, config, holders: list[str]) -> list[dict]:
                     "and no expert weights next to it"
                 )
                 findings.append(
-                    _finding("router-without-experts", path, m, reason, _direct_params(m), {"num_experts": n, "router": router})
+                    _finding(
+                        "router-without-experts",
+                        path,
+                        m,
+                        reason,
+                        _direct_params(m),
+                        {"num_experts": n, "router": router},
+                    )
                 )
                 covered.append(path)
                 break
@@ -623,8 +762,13 @@ def _finding_key(f: dict) -> tuple:
 
 def describe(model: nn.Module, config) -> dict:
     """The describe-moe document for a model built from ``config`` (normally on the meta device)."""
+    note = None
     with _quiet():
-        results = _match_all(model)
+        size = _largest_block_bytes(model)
+        if size > MATERIALIZE_LIMIT:
+            results, note = _match_via_small_copy(model, config, size)
+        else:
+            results = _match_all(model)
     holders = [name for name, _ in find_experts_holders(model)]
     order = {p: i for i, p in enumerate(holders)}
     entries, broken = [], []
@@ -636,8 +780,14 @@ def describe(model: nn.Module, config) -> dict:
         entries.append((order.get(r.structure.experts_path, len(order)), _holder_entry(r)))
     entries.sort(key=lambda e: e[0])
     groups = _group([e for _, e in entries])
+    moe_paths = {p for g in groups for p in g["paths"]}
+    all_paths = [name for name, _ in model.named_modules() if name]
     for g in groups:
-        _finish_group(g)
+        globs = {path_glob(p) for p in g["paths"]}
+        untouched = [
+            p for p in all_paths if p not in moe_paths and any(_same_level_match(p, gl) for gl in globs)
+        ]
+        _finish_group(g, untouched)
     found = _non_contract(model, config, holders) + broken
     non_contract = _group([(_finding_key(f), f) for f in found])
     for f in non_contract:
@@ -648,6 +798,8 @@ def describe(model: nn.Module, config) -> dict:
         "groups": groups,
         "non_contract": non_contract,
     }
+    if note:
+        doc["note"] = note
     if not groups and not non_contract:
         doc["message"] = (
             f"no MoE blocks found in {type(model).__name__}: no experts holder, no per-expert weights and no "
@@ -656,22 +808,65 @@ def describe(model: nn.Module, config) -> dict:
     return doc
 
 
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def build_meta_model(config) -> tuple[nn.Module, str | None]:
+    """The model on the meta device as ``apply`` builds it (:func:`hp_rewrite.commands.meta_model`);
+    for a config those Auto classes reject, the model class its modeling module declares, with a
+    note saying so. Raises UserError when neither builds."""
+    import torch
+
+    from ..commands import UserError, meta_model
+
+    try:
+        return meta_model(config), None
+    except Exception as first:  # noqa: BLE001 - transformers raises many kinds here
+        from ..loading.tiny import TinyError, auto_class_for
+
+        try:
+            cls = auto_class_for(config)
+        except TinyError:
+            cls = None
+        if cls is None or "Unrecognized configuration class" not in str(first):
+            raise UserError(
+                f"transformers cannot build the model from this config ({_short(first)}); "
+                "fix the config (or report it upstream) and retry"
+            ) from first
+        try:
+            with torch.device("meta"):
+                build = getattr(cls, "from_config", None) or cls._from_config
+                model = build(config, attn_implementation="eager")
+        except Exception as e:  # noqa: BLE001
+            raise UserError(
+                f"transformers cannot build the model from this config: AutoModelForCausalLM / AutoModel do "
+                f"not take it, and {cls.__name__} raised {_short(e)}; fix the config (or report it "
+                "upstream) and retry"
+            ) from e
+        note = (
+            f"described from {type(model).__name__}, built directly: `hp-rewrite apply` builds models with "
+            f"AutoModelForCausalLM / AutoModel, which cannot build this config ({_short(first, 160)})"
+        )
+        return model, note
+
+
 def describe_moe(model_dir: Path, as_json: bool) -> int:
     """``hp-rewrite describe-moe MODEL_DIR [--json]``: exit 0 with a report (also when there is no MoE)."""
     import json
 
-    from ..commands import UserError, load_config, meta_model
+    from ..commands import UserError, load_config
 
     with _quiet():
         config = load_config(Path(model_dir))
         try:
-            model = meta_model(config)
-        except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-            raise UserError(
-                f"{model_dir}/config.json: transformers cannot build the model from this config "
-                f"({type(e).__name__}: {e}); fix the config (or report it upstream) and retry"
-            ) from e
+            model, note = build_meta_model(config)
+        except UserError as e:
+            raise UserError(f"{model_dir}/config.json: {e}") from e
     doc = describe(model, config)
+    if note:
+        doc["note"] = f"{doc['note']}; {note}" if doc.get("note") else note
     if as_json:
         print(json.dumps(doc, indent=2))
     else:
@@ -687,6 +882,7 @@ def _shapes(params: dict) -> str:
 
 
 def print_report(doc: dict) -> None:
+    from rich.markup import escape as esc
     from rich.panel import Panel
     from rich.syntax import Syntax
     from rich.tree import Tree
@@ -694,45 +890,68 @@ def print_report(doc: dict) -> None:
     from ..commands import console
 
     groups, bad = doc["groups"], doc["non_contract"]
+    if doc.get("note"):
+        console.print(f"[yellow]note:[/] {esc(doc['note'])}", highlight=False)
     if "message" in doc:
-        console.print(f"[bold]{doc['model_type']}[/]: {doc['message']}", highlight=False)
+        console.print(f"[bold]{doc['model_type']}[/]: {esc(doc['message'])}", highlight=False)
         return
     n_blocks = sum(len(g["paths"]) for g in groups)
     n_bad = sum(len(f["paths"]) for f in bad)
-    console.print(
-        f"[bold]{doc['model_type']}[/] ({doc['model_class']}): {n_blocks} MoE block(s) in {len(groups)} group(s)"
-        + (f", {n_bad} unsupported MoE-like module(s)" if bad else ""),
-        highlight=False,
+    head = (
+        f"{n_blocks} MoE block(s) in {len(groups)} group(s)"
+        if groups
+        else "no MoE block hp-rewrite can rewrite"
     )
+    if bad:
+        head += f"; {n_bad} MoE-like module(s) hp-rewrite does not support ({UNTOUCHED})"
+    console.print(f"[bold]{doc['model_type']}[/] ({doc['model_class']}): {esc(head)}", highlight=False)
     for g in groups:
         st, a = g["structure"], g["archetype"]
         status = "[green]matched[/]" if a else "[yellow]unmatched[/]"
-        tree = Tree(f"{status} [bold]{g['class']}[/] x{len(g['paths'])}  {compact_paths(g['paths'])}")
-        tree.add("children: " + ", ".join(f"{c['name']} ({c['class']})" for c in g["children"]))
-        tree.add("params: " + _shapes(g["params"]))
-        tree.add(
-            f"structure: router={st['router'] or '-'}"
-            + (f" ({st['router_class']})" if st["router_class"] else "")
-            + f", experts={st['experts']} ({st['experts_class']}, {st['layout']}, {st['num_experts']} experts,"
-            f" hidden {st['hidden_size']}, top-k {st['top_k'] if st['top_k'] is not None else '?'})"
-            f", shared={st['shared'] or '-'}, shared gate={st['shared_gate'] or '-'}"
-            f", others={', '.join(st['others']) or '-'}"
+        tree = Tree(f"{status} [bold]{g['class']}[/] x{len(g['paths'])}  {esc(compact_paths(g['paths']))}")
+        tree.add(esc("children: " + ", ".join(f"{c['name']} ({c['class']})" for c in g["children"])))
+        tree.add(esc("params: " + _shapes(g["params"])))
+        node = tree.add("structure")
+        router = (
+            f"{st['router']} ({st['router_class']})"
+            if st["router"]
+            else "- (no child with weight [experts, hidden])"
         )
+        node.add(esc(f"router: {router}"))
+        top_k = st["top_k"] if st["top_k"] is not None else "?"
+        node.add(
+            esc(
+                f"experts: {st['experts']} ({st['experts_class']}), layout {st['layout']}, "
+                f"{st['num_experts']} experts, hidden {st['hidden_size']}, top-k {top_k}"
+            )
+        )
+        node.add(esc(f"shared expert: {st['shared'] or '-'}"))
+        node.add(esc(f"shared gate: {st['shared_gate'] or '-'}"))
+        node.add(esc(f"other children: {', '.join(st['others']) or '-'}"))
         if a:
-            tree.add(
+            arch = tree.add(
                 f"archetype: [green]{a['level']}-level[/], router {a['router']}, shared {a['shared']}, "
                 f"layout {a['layout']}"
             )
+            if a["level"] == "experts" and g["tried"]:
+                why = arch.add("block level not used:")
+                for t in g["tried"]:
+                    why.add(esc(t), highlight=False)
         else:
             reason = tree.add("[yellow]no archetype fits[/]; the block is " + UNTOUCHED)
             for why in g["reason"].split("; "):
-                reason.add(why, highlight=False)
+                reason.add(esc(why), highlight=False)
+            tree.add(esc(f"what to do: {g['action']}"))
         console.print(tree, highlight=False)
         console.print(Panel(Syntax(g["plan_snippet"], "yaml"), title="plan to start from", expand=False))
     for f in bad:
-        tree = Tree(f"[red]not supported[/] [bold]{f['class']}[/] x{len(f['paths'])}  {compact_paths(f['paths'])}")
-        tree.add("children: " + (", ".join(f"{c['name']} ({c['class']})" for c in f["children"]) or "none"))
-        tree.add("params: " + _shapes(f["params"]))
-        tree.add(f"why: {f['reason']}")
-        tree.add(f"what to do: {f['action']}")
+        tree = Tree(
+            f"[red]not supported[/] [bold]{f['class']}[/] x{len(f['paths'])}  {esc(compact_paths(f['paths']))}"
+        )
+        tree.add(
+            esc("children: " + (", ".join(f"{c['name']} ({c['class']})" for c in f["children"]) or "none"))
+        )
+        tree.add(esc("params: " + _shapes(f["params"])))
+        tree.add(esc(f"why: {f['reason']}"))
+        tree.add(esc(f"what to do: {f['action']}"))
         console.print(tree, highlight=False)
