@@ -1,7 +1,25 @@
 """hp-rewrite: expert-parallel rewriting of transformers Mixture-of-Experts models.
 
-The routed runtime lives in :mod:`hp_rewrite.runtime`; everything the generated code calls is
-exported from there.
+``hp_rewrite.auto_patch(plan)`` / ``hp_rewrite.from_pretrained(model_dir, plan=...)`` return
+rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract. The
+routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "auto_patch": "hp_rewrite.loading.patch",
+    "from_pretrained": "hp_rewrite.loading.patch",
+    "AutoPatch": "hp_rewrite.loading.patch",
+    "rewrite_model": "hp_rewrite.loading.patch",
+    "sync_gradients": "hp_rewrite.training",
+}
+
+
+def __getattr__(name: str):
+    """Import the heavy parts (torch, transformers) only when they are used."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hp_rewrite' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""Training-step equivalence under EP and EP x DP, gradient scale included, and auto-patch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import hp_rewrite
+from hp_rewrite.launch import run_world
+from hp_rewrite.loading.tiny import make_tiny
+from tests.training_cases import TOL
+
+CASES = [  # (world, ep_size, model_type, aux)
+    (2, 2, "qwen3_moe", False),
+    (2, 2, "mixtral", True),
+    (4, 2, "qwen2_moe", False),  # EP=2 x data parallel 2
+    (4, 4, "deepseek_v3", False),
+]
+
+
+@pytest.mark.parametrize(("world", "ep_size", "model_type", "aux"), CASES,
+                         ids=[f"world{w}-ep{e}-{m}" for w, e, m, _ in CASES])
+def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, tmp_path: Path) -> None:
+    payload = {"ep_size": ep_size, "model_type": model_type, "aux": aux, "out_dir": str(tmp_path)}
+    for rank, r in enumerate(run_world(world, "tests.training_cases:training_step", payload)):
+        assert r["grad_worst"] <= TOL, f"rank {rank}: gradient of {r['grad_worst_name']} off by {r['grad_worst']:.2e}"
+        assert r["worst"] <= TOL, f"rank {rank}: {r['worst_name']} differs by {r['worst']:.2e} after one step"
+        assert all(n * ep_size == r["local_experts"][0] * ep_size for n in r["local_experts"])
+        if aux:
+            assert r["aux_rel"] <= TOL, r
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m")
+
+
+def test_auto_patch_context_manager_single_process(tiny_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    plan = hp_rewrite.loading.patch.resolve_plan(Path(__file__).parent.parent / "plans" / "auto-ep2.yaml")
+    with hp_rewrite.auto_patch(plan, artifact_dir=tmp_path):  # no world: EP=1, same generated code
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    assert PreTrainedModel.__dict__["from_pretrained"] is original
+    assert model.hp_rewrite.ep.size == 1 and model.hp_rewrite.patched
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_patch_reads_plan_from_environment(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    plan = Path(__file__).parent.parent / "plans" / "auto-ep2.yaml"
+    monkeypatch.setenv("HP_REWRITE_PLAN", str(plan))
+    handle = hp_rewrite.auto_patch(artifact_dir=tmp_path)
+    try:
+        from transformers import Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM.from_pretrained(tiny_dir)
+        assert model.hp_rewrite.plan.ep_size == 2
+    finally:
+        handle.remove()
+
+
+def test_auto_patch_without_plan_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.delenv("HP_REWRITE_PLAN", raising=False)
+    with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match="HP_REWRITE_PLAN"):
+        hp_rewrite.auto_patch()
+
+
+def test_auto_patch_in_a_world_of_two(tiny_dir: Path, tmp_path: Path) -> None:
+    results = run_world(2, "tests.training_cases:auto_patch_world", {"model_dir": str(tiny_dir),
+                                                                      "out_dir": str(tmp_path)})
+    for r in results:
+        assert r["err"] <= 1e-5 and r["local"] and all(n == r["local"][0] for n in r["local"])
+        assert not r["after_patched"], "the patch must be gone after the with block"
+
+
+def test_from_pretrained_one_call(tiny_dir: Path, tmp_path: Path) -> None:
+    model = hp_rewrite.from_pretrained(tiny_dir, plan=hp_rewrite.loading.patch.resolve_plan(
+        Path(__file__).parent.parent / "plans" / "auto-ep4.yaml"), artifact_dir=tmp_path)
+    assert model.hp_rewrite.ep.size == 1 and os.path.isdir(model.hp_rewrite.artifact_dir)

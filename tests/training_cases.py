@@ -1,0 +1,101 @@
+"""One AdamW step of a rewritten model under EP x DP equals one step of the unmodified model on the
+concatenated batch (run on every rank of a real gloo world)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from hp_rewrite import auto_patch, sync_gradients
+from hp_rewrite.loading.patch import rewrite_model
+from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
+from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import expert_parameters
+
+TOL = 1e-5
+
+
+def _adamw(model):
+    # eps above gradient rounding noise: Adam's first step is ~lr * g / (|g| + eps), ~lr * sign(g)
+    # for |g| >> eps, so an element whose exact gradient is 0 (e.g. attention key biases, to which
+    # softmax is invariant) would move by a full lr in the direction of its rounding noise. Real
+    # gradients here are 1e-3..1, far above eps.
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.01)
+
+
+def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def training_step(rank: int, world: int, payload: dict) -> dict:
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    per_rank, seq = 2, 8
+    gen = torch.Generator().manual_seed(5)
+    vocab = ref.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (per_rank * world, seq), generator=gen)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    kwargs = {"output_router_logits": True} if payload.get("aux") else {}
+
+    # the language-model loss, mean over tokens: the mean of the per-rank means is the global mean.
+    # (With output_router_logits the model would add its aux loss, a nonlinear function of the batch:
+    # per-rank aux losses do not average to the global one, with or without hp-rewrite.)
+    ref_out = ref(input_ids=ids, **kwargs)
+    _lm_loss(ref_out.logits, ids).backward()
+    out = model(input_ids=ids[mine], **kwargs)
+    _lm_loss(out.logits, ids[mine]).backward()
+    result = {"local_experts": [m.hp_expert_parallel.placement.num_local for m in model.modules()
+                                if getattr(m, "hp_expert_parallel", None) is not None]}
+    if payload.get("aux"):
+        # the aux loss of this rank's batch equals the unmodified model's aux loss on the same batch
+        same_batch = copy.deepcopy(ref)(input_ids=ids[mine], **kwargs)
+        result["aux_rel"] = (abs(out.aux_loss.item() - same_batch.aux_loss.item())
+                             / max(abs(same_batch.aux_loss.item()), 1e-12))
+    sync_gradients(model)
+    # Adam's first step is invariant to the gradient's scale, so the scale is checked on the
+    # synchronised gradients themselves (a 2x expert gradient would pass the parameter check).
+    grad_err, grad_name = _worst(model, ref, lambda p: p.grad, floor_of=lambda ps: max(
+        p.grad.abs().max().item() for p in ps if p.grad is not None) * 1e-3)
+    _adamw(ref).step()
+    _adamw(model).step()
+    worst, worst_name = _worst(model, ref, lambda p: p.detach())
+    result.update(worst=worst, worst_name=worst_name, grad_worst=grad_err, grad_worst_name=grad_name)
+    return result
+
+
+def _worst(model, ref, get, floor_of=None) -> tuple[float, str]:
+    experts = {id(p) for p in expert_parameters(model)}
+    ref_params = dict(ref.named_parameters())
+    floor = floor_of(ref_params.values()) if floor_of else 1e-12
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        value, target = get(p), get(ref_params[name])
+        if id(p) in experts:
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            target = target[owner.hp_expert_parallel.placement.local_slice]
+        err = ((value - target).abs().max() / max(target.abs().max().item(), floor)).item()
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def auto_patch_world(rank: int, world: int, payload: dict) -> dict:
+    """auto_patch inside a real world: the loaded model is expert-parallel over the plan's EP group."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    plain = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
+    with auto_patch(plan, artifact_dir=Path(payload["out_dir"])):
+        model = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
+    after = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        err = (model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item()
+    local = [m.hp_expert_parallel.placement.num_local for m in model.modules()
+             if getattr(m, "hp_expert_parallel", None) is not None]
+    return {"err": err, "local": local, "after_patched": getattr(after, "hp_rewrite", None) is not None}
