@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -45,40 +46,69 @@ def _worker(rank: int, world: int, init_file: str, target: str, payload, out_dir
 
 
 class WorldError(RuntimeError):
-    """One or more ranks failed or hung; the message holds each rank's error."""
+    """One or more ranks failed or hung; the message names the first rank that failed."""
+
+    def __init__(self, message: str, first_failed: int | None = None) -> None:
+        super().__init__(message)
+        self.first_failed = first_failed
 
 
-def run_world(world: int, target: str, payload=None, timeout: float = 600.0, backend: str = "gloo") -> list:
+def _status(tmp: str, rank: int) -> dict | None:
+    f = Path(tmp) / f"rank{rank}.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_world(world: int, target: str, payload=None, timeout: float = 600.0, backend: str = "gloo",
+              grace: float = 60.0) -> list:
+    """Run ``target`` on ``world`` ranks; return their results in rank order.
+
+    When a rank fails (raises, or dies without a result), the others get ``grace`` seconds to stop by
+    themselves (their collectives fail as soon as the peer is gone, or at the group timeout) and are
+    then killed, so a failure never turns into a hang; the error names the first rank that failed.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(
-                target=_worker, args=(r, world, init_file, target, payload, tmp, backend), daemon=True
-            )
+            ctx.Process(target=_worker, args=(r, world, init_file, target, payload, tmp, backend), daemon=True)
             for r in range(world)
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        start, first_failed, failed_at = time.monotonic(), None, None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if first_failed is None:
+                for r, p in enumerate(procs):
+                    done = not p.is_alive()
+                    status = _status(tmp, r) if done else None
+                    if done and (status is None or not status["ok"]):
+                        first_failed, failed_at = r, now
+                        break
+            if now - start > timeout or (failed_at is not None and now - failed_at > grace):
+                break
+            time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join()
         results, errors = [], []
         for r in range(world):
-            f = Path(tmp) / f"rank{r}.json"
-            if not f.exists():
+            data = _status(tmp, r)
+            if data is None:
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
-                continue
-            data = json.loads(f.read_text())
-            if data["ok"]:
+            elif data["ok"]:
                 results.append(data["result"])
             else:
                 errors.append(f"rank {r}:\n{data['error']}")
         if hung:
-            errors.append(f"ranks {hung} did not finish within {timeout}s")
+            why = f"after rank {first_failed} failed" if first_failed is not None else f"within {timeout}s"
+            errors.append(f"ranks {hung} did not stop {why} and were killed")
         if errors:
-            raise WorldError("\n".join(errors))
+            head = f"rank {first_failed} failed first; " if first_failed is not None else ""
+            raise WorldError(head + "\n".join(errors), first_failed)
         return results

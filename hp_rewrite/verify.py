@@ -80,7 +80,7 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(max(1, payload.get("threads", 1)))
     plan = Plan.model_validate(payload["plan"])
     artifact = Artifact(Path(payload["artifact_dir"]), payload["manifest"])
-    ep = build_expert_parallel_group(plan.ep_size)
+    ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
     model = load_model(payload["model_dir"])
     ref = copy.deepcopy(model) if payload["verify"] else None
     t0 = time.perf_counter()

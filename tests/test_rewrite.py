@@ -115,3 +115,15 @@ def test_plan_level_experts_keeps_block_code(qwen2_model, tmp_path: Path) -> Non
     analysis, art = generate(qwen2_model, plan, qwen2_model.config, tmp_path)
     assert {r.archetype.level for r in analysis.matched} == {"experts"}
     assert "Qwen2MoeSparseMoeBlock" not in art.module_path.read_text()
+
+
+def test_interrupted_generation_leaves_nothing(qwen2_model, tmp_path: Path, monkeypatch) -> None:
+    from hp_rewrite.codegen import artifacts
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts, "_diff", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(qwen2_model, plan_for(1), qwen2_model.config, tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -84,3 +84,18 @@ def test_from_pretrained_one_call(tiny_dir: Path, tmp_path: Path) -> None:
     model = hp_rewrite.from_pretrained(tiny_dir, plan=hp_rewrite.loading.patch.resolve_plan(
         Path(__file__).parent.parent / "plans" / "auto-ep4.yaml"), artifact_dir=tmp_path)
     assert model.hp_rewrite.ep.size == 1 and os.path.isdir(model.hp_rewrite.artifact_dir)
+
+
+def test_train_ep_example_under_torchrun(tiny_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "tools" / "train_ep.py"), str(tiny_dir), "--plan", str(root / "plans" / "auto-ep2.yaml"),
+         "--steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1: loss" in run.stdout, run.stdout

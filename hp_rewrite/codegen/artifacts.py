@@ -144,9 +144,17 @@ def write_artifact(functions: list[GeneratedFunction], plan_hash: str, config, m
         (tmp / MODULE_FILE).write_text(text)
         (tmp / DIFF_FILE).write_text(_diff(functions))
         (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "module_sha256": sha256(text)}, indent=2, sort_keys=True))
-        if directory.exists():  # stale: replace it whole
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        if directory.exists():
+            if _is_current(directory, manifest):  # another process (rank) just wrote the same thing
+                shutil.rmtree(tmp)
+                return Artifact(directory, manifest)
+            shutil.rmtree(directory)  # stale: replace it whole
+        try:
+            os.replace(tmp, directory)
+        except OSError:  # lost a race with another writer of the same (deterministic) artifact
+            if not _is_current(directory, manifest):
+                raise
+            shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -47,7 +47,7 @@ def expert_parallel_group_for(plan: Plan) -> ExpertParallelGroup:
     """The plan's EP group over the initialised world, or EP=1 in a single process."""
     if not (dist.is_available() and dist.is_initialized()):
         return ExpertParallelGroup.single()
-    return build_expert_parallel_group(plan.ep_size)
+    return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
 
 
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,

@@ -13,18 +13,34 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 
+class ExchangeError(RuntimeError):
+    """An all-to-all of the EP group failed: a peer rank stopped, raised, or timed out."""
+
+
+def _peer_failure(group: dist.ProcessGroup, err: Exception) -> ExchangeError:
+    ranks = dist.get_process_group_ranks(group)
+    return ExchangeError(
+        f"expert-parallel all-to-all failed in the EP group of ranks {ranks} (this is rank "
+        f"{dist.get_rank()}): a peer stopped, raised or did not answer within the group timeout. The "
+        f"first error is in the failed rank's log. Backend said: {err}"
+    )
+
+
 def _exchange(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, async_op: bool
 ) -> tuple[torch.Tensor, dist.Work | None]:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(
-        out,
-        x.contiguous(),
-        output_split_sizes=out_splits,
-        input_split_sizes=in_splits,
-        group=group,
-        async_op=async_op,
-    )
+    try:
+        work = dist.all_to_all_single(
+            out,
+            x.contiguous(),
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            async_op=async_op,
+        )
+    except RuntimeError as e:
+        raise _peer_failure(group, e) from e
     return out, work
 
 
@@ -51,6 +67,7 @@ class PendingExchange:
 
     def __init__(self) -> None:
         self.work: dist.Work | None = None
+        self.group: dist.ProcessGroup | None = None
         self.buffer: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
 
@@ -67,7 +84,7 @@ class _AllToAllStart(Function):
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
         out, work = _exchange(x, out_splits, in_splits, group, async_op=True)
-        pending.work = work
+        pending.work, pending.group = work, group
         return out
 
     @staticmethod
@@ -81,7 +98,10 @@ class _AllToAllWait(Function):
     @staticmethod
     def forward(ctx, buffer, pending):  # type: ignore[override]
         if pending.work is not None:
-            pending.work.wait()
+            try:
+                pending.work.wait()
+            except RuntimeError as e:
+                raise _peer_failure(pending.group, e) from e
             pending.work = None
         return buffer.view_as(buffer)
 
@@ -121,5 +141,8 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> to
     if group is None:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    try:
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
+    except RuntimeError as e:
+        raise _peer_failure(group, e) from e
     return out

@@ -9,6 +9,7 @@ replicas of the same experts: that second dimension is data parallel for the exp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -41,11 +42,12 @@ class ExpertParallelGroup:
         return self.size > 1
 
 
-def build_expert_parallel_group(ep_size: int) -> ExpertParallelGroup:
+def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None) -> ExpertParallelGroup:
     """Create the EP and replica groups over the initialised default world.
 
     Every rank must call this (``new_group`` is collective). Without ``torch.distributed`` initialised
-    only ``ep_size == 1`` is possible.
+    only ``ep_size == 1`` is possible. ``timeout_s`` bounds every collective of the new groups: a rank
+    that stops answering makes the others fail after at most that long instead of hanging.
     """
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
@@ -63,15 +65,16 @@ def build_expert_parallel_group(ep_size: int) -> ExpertParallelGroup:
             f"(e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
     replicas = world // ep_size
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     ep_group = replica_group = None
     for r in range(replicas):  # EP groups: consecutive ranks
         ranks = list(range(r * ep_size, (r + 1) * ep_size))
-        g = dist.new_group(ranks) if ep_size > 1 else None
+        g = dist.new_group(ranks, **kwargs) if ep_size > 1 else None
         if rank in ranks:
             ep_group = g
     for p in range(ep_size):  # replica groups: same position in every EP group
         ranks = list(range(p, world, ep_size))
-        g = dist.new_group(ranks) if replicas > 1 else None
+        g = dist.new_group(ranks, **kwargs) if replicas > 1 else None
         if rank in ranks:
             replica_group = g
     return ExpertParallelGroup(
