@@ -13,6 +13,7 @@ _LAZY = {
     "AutoPatch": "hp_rewrite.loading.patch",
     "rewrite_model": "hp_rewrite.loading.patch",
     "sync_gradients": "hp_rewrite.training",
+    "save_pretrained": "hp_rewrite.loading.save",
 }
 
 

@@ -10,6 +10,7 @@ generated code.
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,22 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
             dist.barrier()
     patched = install(model, artifact, plan, ep, shard=True)
     model.hp_rewrite = RewriteInfo(plan, ep, artifact.directory, patched)
+    # the model's own save_pretrained would write only this rank's experts: gather them instead
+    model.hp_original_save_pretrained = model.save_pretrained
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
+    """Gather the experts and write a standard checkpoint (see :mod:`hp_rewrite.loading.save`)."""
+    from .save import save_pretrained
+
+    if args or kwargs:
+        raise ExpertParallelError(
+            f"save_pretrained of an expert-parallel model takes only the directory (got {sorted(kwargs)}); "
+            "it writes safetensors shards with the model's in-memory names"
+        )
+    return save_pretrained(self, save_directory)
 
 
 class AutoPatch:

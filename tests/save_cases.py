@@ -1,0 +1,35 @@
+"""Save an expert-parallel model, reload it (each rank in a real gloo world)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hp_rewrite import auto_patch
+from hp_rewrite.plan import parse_plan
+
+
+def load_and_save(rank: int, world: int, payload: dict) -> dict:
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    with auto_patch(plan, artifact_dir=Path(payload["gen_dir"])):
+        model = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
+    local = [m.hp_expert_parallel.placement.num_local for m in model.modules()
+             if getattr(m, "hp_expert_parallel", None) is not None]
+    model.save_pretrained(payload["out_dir"])  # collective: every rank, rank 0 writes
+    return {"local": local}
+
+
+def load_and_compare(rank: int, world: int, payload: dict) -> dict:
+    """Load ``model_dir`` at EP=world and compare logits of this rank's batch with the plain model."""
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    plain = AutoModelForCausalLM.from_pretrained(payload["reference_dir"], attn_implementation="eager")
+    with auto_patch(plan, artifact_dir=Path(payload["gen_dir"])):
+        model = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, plain(input_ids=ids).logits
+    return {"rel": ((a - b).abs().max() / b.abs().max()).item()}
