@@ -189,6 +189,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     if state.done:
         raise RuntimeError("experts_and_combine called twice on the same dispatch state")
     state.done = True
+    experts.hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     ep, opts = state.ep, state.options
     combines = []
     for chunk in state.chunks:

@@ -9,8 +9,8 @@ accepts either
 * a :class:`LocalBatch` from :func:`experts_and_combine`: only the local expert compute (block-level
   rewrite; calling through the module keeps FSDP hooks firing).
 
-The original bound forward stays reachable as ``module.hp_original_forward``; after a contract call,
-``module.hp_last_stats`` holds that call's :class:`DispatchStats` (device tensors, no host sync).
+The original bound forward stays reachable as ``module.hp_original_forward``; after every call,
+``module.hp_last_stats`` holds the last dispatch's :class:`DispatchStats` (device tensors, no host sync).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_we
         ep=binding.ep,
         options=binding.options,
     )
-    self.hp_last_stats = state.stats  # drop / token counts of the last call, still on the device
     return experts_and_combine(state, self, via_call=False)
 
 
