@@ -9,7 +9,6 @@ over the world and expert gradients over the ranks holding the same experts befo
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .codegen import Artifact
+from .loading.local import load_expert_parallel
 from .plan import Plan
-from .rewrite import install
 from .runtime import build_expert_parallel_group
 
 FP32_TOL = 1e-5
@@ -81,11 +80,12 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     plan = Plan.model_validate(payload["plan"])
     artifact = Artifact(Path(payload["artifact_dir"]), payload["manifest"])
     ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
-    model = load_model(payload["model_dir"])
-    ref = copy.deepcopy(model) if payload["verify"] else None
     t0 = time.perf_counter()
-    patched = install(model, artifact, plan, ep)
-    timings = {"install_s": time.perf_counter() - t0}
+    # the same load path as auto_patch: built on meta, only this rank's experts read from disk
+    model, report = load_expert_parallel(payload["model_dir"], plan, ep, artifact.directory.parent)
+    patched = report["patched"]
+    timings = {"load_s": time.perf_counter() - t0}
+    ref = load_model(payload["model_dir"]) if payload["verify"] else None
 
     per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
     gen = torch.Generator().manual_seed(payload.get("seed", 0))
@@ -98,7 +98,8 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     upstream = torch.randn((per_rank * world, *out.shape[1:]), generator=gen)
     (out * upstream[mine]).sum().backward()
     timings["ep_step_s"] = time.perf_counter() - t0
-    result = {"patched": patched, "timings": timings}
+    result = {"patched": patched, "timings": timings,
+              "loaded_bytes": {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
     if ref is None:
         return result
 

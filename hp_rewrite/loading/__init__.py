@@ -3,6 +3,7 @@
 See :mod:`hp_rewrite.loading.tiny`.
 """
 
+from .local import CheckpointKeyError, load_expert_parallel
 from .tiny import (
     FAMILY_DEFAULTS,
     KEEP_OFF,
@@ -22,6 +23,8 @@ from .tiny import (
 )
 
 __all__ = [
+    "CheckpointKeyError",
+    "load_expert_parallel",
     "FAMILY_DEFAULTS",
     "KEEP_OFF",
     "SHRINK_RULES",

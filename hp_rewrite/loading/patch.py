@@ -2,7 +2,10 @@
 
 ``auto_patch(plan)`` wraps ``PreTrainedModel.from_pretrained`` (which every concrete class and every
 Auto class ends in) until ``remove()`` or the end of a ``with`` block; ``from_pretrained(model_dir,
-plan=...)`` does the same for one call. The EP group is built from the plan over the initialised
+plan=...)`` does the same for one call. A local safetensors checkpoint is loaded by
+:func:`hp_rewrite.loading.local.load_expert_parallel`: built on the meta device, only this rank's
+experts are ever read; other sources go through transformers' loader and are sharded afterwards.
+The EP group is built from the plan over the initialised
 ``torch.distributed`` world; without one, the model runs as EP=1 in one process through the same
 generated code.
 """
@@ -14,6 +17,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -32,6 +36,7 @@ class RewriteInfo:
     ep: ExpertParallelGroup
     artifact_dir: Path
     patched: list[str]
+    load_report: dict | None = None  # set when only local experts were read (loading.local)
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -70,11 +75,37 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
         if distributed:
             dist.barrier()
     patched = install(model, artifact, plan, ep, shard=True)
-    model.hp_rewrite = RewriteInfo(plan, ep, artifact.directory, patched)
+    return attach(model, RewriteInfo(plan, ep, artifact.directory, patched))
+
+
+def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
+    """Mark a rewritten model: ``model.hp_rewrite`` and a save_pretrained that gathers the experts."""
+    model.hp_rewrite = info
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def load_local_experts(model_dir, plan: Plan, dtype=None, artifact_dir: Path | None = None) -> nn.Module:
+    """Build on meta and read only this rank's experts from the checkpoint (see loading.local)."""
+    from .local import load_expert_parallel
+
+    ep = expert_parallel_group_for(plan)
+    out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
+    model, report = load_expert_parallel(model_dir, plan, ep, out, dtype=dtype or torch.float32)
+    return attach(model, RewriteInfo(plan, ep, out, report["patched"], report))
+
+
+_LOCAL_LOAD_KWARGS = {"dtype", "torch_dtype", "attn_implementation"}
+
+
+def _local_checkpoint(args, kwargs) -> bool:
+    """from_pretrained(dir) of a local safetensors checkpoint with only options the local loader honours."""
+    if not args or set(kwargs) - _LOCAL_LOAD_KWARGS or kwargs.get("attn_implementation", "eager") != "eager":
+        return False
+    path = Path(str(args[0]))
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
@@ -102,6 +133,11 @@ class AutoPatch:
         patch = self
 
         def from_pretrained(cls, *args, **kwargs):
+            if _local_checkpoint(args, kwargs) and len(args) == 1:
+                dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+                if dtype is None or isinstance(dtype, torch.dtype):
+                    return load_local_experts(args[0], patch.plan, dtype, patch.artifact_dir)
+            # anything else (hub ids, device maps, quantisation...): transformers loads, then we shard
             model = original_fn(cls, *args, **kwargs)
             return rewrite_model(model, patch.plan, artifact_dir=patch.artifact_dir)
 
@@ -146,7 +182,11 @@ def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan
 
     from .tiny import auto_class_for
 
+    plan = resolve_plan(plan)
+    if _local_checkpoint((model_dir,), kwargs):  # only this rank's experts are ever read
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        return load_local_experts(model_dir, plan, dtype, artifact_dir)
     config = AutoConfig.from_pretrained(model_dir)
     kwargs.setdefault("attn_implementation", "eager")
     model = auto_class_for(config).from_pretrained(model_dir, **kwargs)
-    return rewrite_model(model, resolve_plan(plan), artifact_dir=artifact_dir)
+    return rewrite_model(model, plan, artifact_dir=artifact_dir)

@@ -160,30 +160,20 @@ def _probe_inputs(s: BlockStructure) -> torch.Tensor:
     return torch.randn(2, 5, s.hidden_size, generator=torch.Generator().manual_seed(1))
 
 
-def _with_ep1(probe: nn.Module, s: BlockStructure) -> nn.Module:
-    candidate = copy.deepcopy(probe)
-    experts = getattr(candidate, s.experts_name)
+def _install_ep1(probe: nn.Module, s: BlockStructure) -> nn.Module:
+    """Make the probe's experts holder expert-parallel at EP=1, in place (weights unchanged)."""
+    experts = getattr(probe, s.experts_name)
     install_expert_parallel(experts, num_experts=s.num_experts, ep=ExpertParallelGroup.single(),
                             options=RuntimeOptions(), shard=False)
-    return candidate
+    return experts
 
 
-def _confirm_experts(s: BlockStructure, probe: nn.Module) -> tuple[bool, str]:
-    """The generated experts forward reproduces the holder on random routing (and the block, if callable)."""
-    experts = getattr(probe, s.experts_name)
+def _experts_probe(s: BlockStructure):
+    """Random hidden states and routing for a direct call of the experts holder."""
     g = torch.Generator().manual_seed(2)
     h = torch.randn(10, s.hidden_size, generator=g)
-    k = min(2, s.num_experts)
-    r = softmax_topk(torch.randn(10, s.num_experts, generator=g), k, renormalize=True)
-    with torch.no_grad():
-        ref = experts(h, r.indices, r.weights)
-        candidate = _with_ep1(probe, s)
-        fn = compile_function(experts_source("probe"), "probe_forward")
-        cand_experts = getattr(candidate, s.experts_name)
-        err = _rel(fn(cand_experts, h, r.indices, r.weights), ref)
-    if err > PROBE_TOL:
-        return False, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
-    return True, ""
+    r = softmax_topk(torch.randn(10, s.num_experts, generator=g), min(2, s.num_experts), renormalize=True)
+    return h, r.indices, r.weights
 
 
 def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True) -> MatchResult:
@@ -191,15 +181,20 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     forced = forced or {}
     result = MatchResult(s, None)
     layout = layout_name(s.experts)
+    # One materialised copy of the block (random weights) serves every candidate: the original
+    # outputs are taken first, then its experts holder is made expert-parallel (EP=1) in place.
     probe = materialize(s.block)
     x = _probe_inputs(s)
+    experts_in = _experts_probe(s)
     with torch.no_grad():
+        experts_ref = getattr(probe, s.experts_name)(*experts_in)
         try:
             ref = probe(x)
             block_callable = True
         except Exception as e:  # noqa: BLE001
             ref, block_callable = None, False
             result.tried.append(f"block forward(hidden) raised {type(e).__name__}: {e}")
+    holder = _install_ep1(probe, s)
     returns_weights = isinstance(ref, tuple)
     level = forced.get("level", "auto")
     if level in ("auto", "block") and block_callable and s.router_name and not s.others:
@@ -216,7 +211,7 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
             try:
                 fn = compile_function(block_source("probe", arch), "probe_forward")
                 with torch.no_grad():
-                    err = _rel(fn(_with_ep1(probe, s), x), ref)
+                    err = _rel(fn(probe, x), ref)
             except Exception as e:  # noqa: BLE001
                 result.tried.append(f"block {r_kind}+{s_mode}: raised {type(e).__name__}: {e}")
                 continue
@@ -231,15 +226,13 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     if level == "block":
         result.reason = "; ".join(result.tried) or "no block-level archetype fits"
         return result
-    ok, why = _confirm_experts(s, probe)
-    if ok and block_callable:
-        candidate = _with_ep1(probe, s)
-        experts = getattr(candidate, s.experts_name)
-        experts.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), experts)
-        with torch.no_grad():
-            err = _rel(candidate(x), ref)
-        if err > PROBE_TOL:
-            ok, why = False, f"block output with expert-parallel experts differs (rel err {err:.2e})"
+    holder.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), holder)
+    with torch.no_grad():
+        err = _rel(holder(*experts_in), experts_ref)
+        ok, why = err <= PROBE_TOL, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
+        if ok and block_callable:
+            err = _rel(probe(x), ref)  # the block's own forward, now calling the expert-parallel holder
+            ok, why = err <= PROBE_TOL, f"block output with expert-parallel experts differs (rel err {err:.2e})"
     if ok:
         result.archetype = Archetype("experts", "model", "model", layout)
         return result

@@ -1,0 +1,330 @@
+"""Peak resident memory of only-local-experts loading (``load_expert_parallel``) on N gloo ranks.
+
+1. Writes a random-weight Qwen3-MoE checkpoint (fp32, default hidden 1024, 4 layers, 64 experts,
+   expert width 1024: 3.3 GB) in the layout ``save_pretrained`` writes (per-expert
+   ``mlp.experts.{i}.{gate,up,down}_proj.weight``), one layer at a time: the model is built on the
+   meta device, each layer's tensors are drawn at random in their in-memory names and turned into
+   the on-disk names by transformers' ``revert_weight_conversion``, then saved as one shard, with
+   ``model.safetensors.index.json``. The generator never holds more than one layer.
+2. Spawns ``--nproc`` gloo ranks (``hp_rewrite.launch.run_world``). Each loads a tiny Qwen3-MoE
+   checkpoint first (warm-up: imports and one-time initialisation belong to the process), resets
+   its kernel resident-set high-water mark (``echo 5 > /proc/self/clear_refs``), reads its RSS
+   (``VmRSS``: the baseline), calls ``load_expert_parallel`` at EP=``--ep`` and reads the high-water
+   mark (``VmHWM``). The mark is also read and reset between the two phases of the call: the
+   analysis (it runs one block of each class with random weights to confirm the archetype) and the
+   weights (install on meta, then every tensor read into its local storage).
+3. Prints and writes (``--json``) per rank: peak - baseline for the whole call and for each phase,
+   against the bound ``1.15 * (non-expert bytes + all expert bytes / ep)``.
+
+    python tools/measure_load_memory.py --out /tmp/hp-load-mem --json bench-results/load_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+SLACK = 1.15
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint
+
+
+def qwen3_moe_config(hidden: int, layers: int, experts: int, moe_intermediate: int, vocab: int):
+    from transformers import Qwen3MoeConfig
+
+    heads = max(1, hidden // 128)
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=moe_intermediate,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=128,
+        num_experts=experts,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+def write_checkpoint(config, out: Path, seed: int = 0) -> dict:
+    """A random fp32 checkpoint of ``config``, one shard per decoder layer (+ one for the rest)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    meta = model.state_dict()
+    groups: dict[str, list[str]] = {}
+    for name in meta:
+        parts = name.split(".")
+        group = f"layer{int(parts[2]):03d}" if parts[:2] == ["model", "layers"] else "other"
+        groups.setdefault(group, []).append(name)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    names = sorted(groups)
+    for n, group in enumerate(names):
+        state = {}
+        for name in groups[group]:
+            shape = meta[name].shape
+            if name.endswith("norm.weight"):
+                state[name] = torch.ones(shape)
+            else:
+                state[name] = torch.randn(shape, generator=gen).mul_(0.02)
+        state = revert_weight_conversion(model, state)  # in-memory names -> the names save_pretrained writes
+        file = f"model-{n + 1:05d}-of-{len(names):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, out / file, metadata={"format": "pt"})
+        for k, v in state.items():
+            weight_map[k] = file
+            total += v.numel() * v.element_size()
+        del state
+        gc.collect()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    )
+    config.save_pretrained(out)
+    return {"bytes": total, "files": len(names)}
+
+
+def checkpoint_sizes(model_dir: Path) -> tuple[int, int]:
+    """(expert bytes, other bytes) of a checkpoint, from its safetensors headers."""
+    import math
+
+    from safetensors import safe_open
+
+    experts = other = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                n = math.prod(h.get_slice(k).get_shape()) * 4
+                if ".mlp.experts." in k:
+                    experts += n
+                else:
+                    other += n
+    return experts, other
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def rank_main(rank: int, world: int, payload: dict) -> dict:
+    import torch
+
+    from hp_rewrite import rewrite
+    from hp_rewrite.loading.local import load_expert_parallel
+    from hp_rewrite.plan import parse_plan
+    from hp_rewrite.runtime import build_expert_parallel_group
+
+    torch.set_num_threads(1)
+    ep = build_expert_parallel_group(payload["ep"])
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep']}\n")
+    warm, _ = load_expert_parallel(payload["warmup_dir"], plan, ep, payload["artifact_dir"])
+    del warm
+    gc.collect()
+
+    phases: dict[str, int] = {}
+    install = rewrite.install
+
+    def timed_install(*args, **kwargs):  # called right after the analysis: close its phase
+        phases["analysis_peak"] = _status_kib("VmHWM") * 1024
+        _reset_peak()
+        return install(*args, **kwargs)
+
+    rewrite.install = timed_install
+    try:
+        _reset_peak()
+        baseline = _status_kib("VmRSS") * 1024
+        t0 = time.perf_counter()
+        model, report = load_expert_parallel(payload["model_dir"], plan, ep, payload["artifact_dir"])
+        wall = time.perf_counter() - t0
+        phases["weights_peak"] = _status_kib("VmHWM") * 1024
+    finally:
+        rewrite.install = install
+    end_rss = _status_kib("VmRSS") * 1024
+    return {
+        "baseline": baseline,
+        "analysis_peak": phases["analysis_peak"],
+        "weights_peak": phases["weights_peak"],
+        "end_rss": end_rss,
+        "wall_s": wall,
+        "report": report,
+    }
+
+
+def full_rank(rank: int, world: int, payload: dict) -> dict:
+    """For contrast: today's path, ``from_pretrained`` of the whole checkpoint, then shard in memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hp_rewrite import rewrite
+    from hp_rewrite.loading.local import load_expert_parallel
+    from hp_rewrite.plan import parse_plan
+    from hp_rewrite.runtime import ExpertParallelGroup
+
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep']}\n")
+    ep = ExpertParallelGroup(size=payload["ep"], rank=0)  # shard_experts needs no communication
+    warm, _ = load_expert_parallel(payload["warmup_dir"], plan, ep, payload["artifact_dir"])
+    del warm
+    gc.collect()
+    _reset_peak()
+    baseline = _status_kib("VmRSS") * 1024
+    model = AutoModelForCausalLM.from_pretrained(
+        payload["model_dir"], dtype=torch.float32, attn_implementation="eager"
+    )
+    loaded_peak = _status_kib("VmHWM") * 1024
+    analysis = rewrite.analyze(model, plan)
+    artifact = rewrite.write(analysis, plan, model.config, Path(payload["artifact_dir"]))
+    rewrite.install(model, artifact, plan, ep, shard=True)
+    gc.collect()
+    return {"baseline": baseline, "loaded_peak": loaded_peak, "peak": _status_kib("VmHWM") * 1024,
+            "end_rss": _status_kib("VmRSS") * 1024}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--out", type=Path, default=Path("/tmp/hp-load-mem"), help="where the checkpoint is written"
+    )
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--moe-intermediate", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--ep", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: --ep)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint (reused when its config matches)")
+    p.add_argument(
+        "--compare-full",
+        action="store_true",
+        help="also measure from_pretrained of the whole checkpoint + in-memory sharding (one process)",
+    )
+    args = p.parse_args(argv)
+
+    import shutil
+
+    from hp_rewrite.launch import run_world
+    from hp_rewrite.loading import make_tiny
+
+    config = qwen3_moe_config(args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab)
+    tag = f"h{args.hidden}-l{args.layers}-e{args.experts}-i{args.moe_intermediate}-v{args.vocab}"
+    model_dir = args.out / f"qwen3_moe-{tag}"
+    t0 = time.perf_counter()
+    if not (model_dir / "model.safetensors.index.json").is_file():
+        shutil.rmtree(model_dir, ignore_errors=True)
+        written = write_checkpoint(config, model_dir)
+        print(
+            f"wrote {model_dir}: {written['bytes'] / 1e9:.2f} GB in {written['files']} files "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+    warmup_dir = args.out / "warmup-qwen3_moe"
+    if not warmup_dir.exists():
+        make_tiny("qwen3_moe", warmup_dir)
+    expert_bytes, other_bytes = checkpoint_sizes(model_dir)
+    payload = {
+        "model_dir": str(model_dir),
+        "warmup_dir": str(warmup_dir),
+        "ep": args.ep,
+        "artifact_dir": str(args.out / "artifacts"),
+    }
+    ranks = run_world(args.nproc or args.ep, f"{Path(__file__).stem}:rank_main", payload, timeout=1800)
+
+    mib = 2**20
+    rows = []
+    print(
+        f"\ncheckpoint {(expert_bytes + other_bytes) / 1e9:.2f} GB (experts {expert_bytes / 1e9:.2f} GB), "
+        f"EP={args.ep} on {len(ranks)} gloo ranks"
+    )
+    print(
+        "| rank | baseline MiB | share MiB | bound MiB | call peak MiB | analysis peak MiB | weights peak MiB | "
+        "call / share | weights / share | read MiB | load s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for rank, r in enumerate(ranks):
+        rep = r["report"]
+        share = rep["non_expert_bytes"] + rep["expert_bytes"]
+        analysis = r["analysis_peak"] - r["baseline"]
+        weights = r["weights_peak"] - r["baseline"]
+        call = max(analysis, weights)
+        row = {
+            "rank": rank,
+            "baseline": r["baseline"],
+            "share": share,
+            "bound": SLACK * share,
+            "call_peak": call,
+            "analysis_peak": analysis,
+            "weights_peak": weights,
+            "bytes_read": rep["bytes_read"],
+            "load_s": rep["seconds"],
+            "timings": rep["timings"],
+            "files_read": len(rep["files_read"]),
+            "expert_bytes": rep["expert_bytes"],
+            "non_expert_bytes": rep["non_expert_bytes"],
+        }
+        rows.append(row)
+        print(
+            f"| {rank} | {r['baseline'] / mib:.0f} | {share / mib:.1f} | {SLACK * share / mib:.1f} | "
+            f"{call / mib:.1f} | {analysis / mib:.1f} | {weights / mib:.1f} | {call / share:.3f} | "
+            f"{weights / share:.3f} | {rep['bytes_read'] / mib:.1f} | {rep['seconds']:.1f} |"
+        )
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": {"hidden": args.hidden, "layers": args.layers, "experts": args.experts,
+                   "moe_intermediate": args.moe_intermediate, "vocab": args.vocab},
+        "checkpoint_bytes": expert_bytes + other_bytes, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
+        "ep": args.ep, "ranks": rows, "slack": SLACK,
+        "weights_within_bound": all(r["weights_peak"] <= r["bound"] for r in rows),
+        "call_within_bound": all(r["call_peak"] <= r["bound"] for r in rows),
+    }  # fmt: skip
+    print(
+        f"\nweights phase within {SLACK}x share: {result['weights_within_bound']}; "
+        f"whole call (analysis included): {result['call_within_bound']}"
+    )
+    if args.compare_full:
+        (full,) = run_world(1, f"{Path(__file__).stem}:full_rank", payload, timeout=1800)
+        result["full_load"] = {k: full[k] - full["baseline"] for k in ("loaded_peak", "peak", "end_rss")}
+        print(
+            f"from_pretrained + shard_experts (one process): peak {result['full_load']['peak'] / mib:.0f} MiB "
+            f"over baseline (after from_pretrained {result['full_load']['loaded_peak'] / mib:.0f} MiB, "
+            f"resident at the end {result['full_load']['end_rss'] / mib:.0f} MiB)"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    if not args.keep:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    return 0 if result["weights_within_bound"] else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks import this file by name
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
