@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from .codegen import Artifact, GeneratedFunction, import_artifact, write_artifact
+from .codegen.artifacts import find_current
 from .match import MatchResult, choose_archetype, find_blocks
 from .match.archetype import block_source, experts_source
 from .runtime import ExpertParallelError, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
@@ -90,6 +91,15 @@ def write(analysis: Analysis, plan, config, out_dir: Path) -> Artifact:
 def generate(model: nn.Module, plan, config, out_dir: Path) -> tuple[Analysis, Artifact]:
     analysis = analyze(model, plan)
     return analysis, write(analysis, plan, config, out_dir)
+
+
+def ensure_artifact(model: nn.Module, plan, config, out_dir: Path) -> Artifact:
+    """The current artifact for these inputs, generating it only when none exists.
+
+    Reusing skips the analysis, whose execution probe materialises one block with random weights:
+    ranks that load after rank 0 (or after ``hp-rewrite apply``) never pay that memory.
+    """
+    return find_current(Path(out_dir), plan.hash(), config) or write(analyze(model, plan), plan, config, out_dir)
 
 
 def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,

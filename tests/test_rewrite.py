@@ -127,3 +127,19 @@ def test_interrupted_generation_leaves_nothing(qwen2_model, tmp_path: Path, monk
     with pytest.raises(KeyboardInterrupt):
         generate(qwen2_model, plan_for(1), qwen2_model.config, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_artifact_reuses_without_analysis(qwen2_model, tmp_path: Path, monkeypatch) -> None:
+    from hp_rewrite import rewrite
+
+    plan = plan_for(2)
+    first = rewrite.ensure_artifact(qwen2_model, plan, qwen2_model.config, tmp_path)
+
+    def no_analysis(*_):
+        raise AssertionError("a current artifact must be reused without re-running the analysis")
+
+    monkeypatch.setattr(rewrite, "analyze", no_analysis)
+    assert rewrite.ensure_artifact(qwen2_model, plan, qwen2_model.config, tmp_path).directory == first.directory
+    first.module_path.write_text(first.module_path.read_text() + "\n# edited\n")  # tampered: not reused
+    with pytest.raises(AssertionError, match="re-running the analysis"):
+        rewrite.ensure_artifact(qwen2_model, plan, qwen2_model.config, tmp_path)

@@ -168,3 +168,38 @@ def import_artifact(artifact: Artifact):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _class_by_qualname(qualname: str) -> type | None:
+    module_name, _, cls_name = qualname.rpartition(".")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    return getattr(obj, cls_name, None)
+
+
+def find_current(out_dir: Path, plan_hash: str, config) -> Artifact | None:
+    """An existing artifact generated from these inputs, still valid, without re-running the analysis.
+
+    Valid means: same plan and config hashes and versions, every patched class's source unchanged,
+    and the generated file untouched. Lets a rank load with the artifact ``apply`` (or rank 0) wrote.
+    """
+    config_hash = sha256(config.to_json_string(use_diff=False))
+    for manifest_path in sorted(Path(out_dir).glob(f"{config.model_type}-*/{MANIFEST_FILE}")):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError):
+            continue
+        manifest.pop("module_sha256", None)
+        if (manifest.get("plan_hash"), manifest.get("config_hash")) != (plan_hash, config_hash):
+            continue
+        if (manifest.get("hp_rewrite"), manifest.get("transformers")) != (__version__, transformers.__version__):
+            continue
+        classes_ok = all(
+            (cls := _class_by_qualname(q)) is not None and class_source_hash(cls) == entry["source_sha256"]
+            for q, entry in manifest.get("classes", {}).items()
+        )
+        if classes_ok and _is_current(manifest_path.parent, manifest):
+            return Artifact(manifest_path.parent, manifest)
+    return None

@@ -629,16 +629,14 @@ def load_expert_parallel(
     timings["build_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    analysis = rewrite.analyze(model, plan)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 writes the artifact first; the others then find it current
-        artifact = rewrite.write(analysis, plan, config, Path(artifact_dir))
+        dist.barrier()  # rank 0 finds or writes the artifact first; the others reuse it, no analysis
+        artifact = rewrite.ensure_artifact(model, plan, config, Path(artifact_dir))
     else:
-        artifact = rewrite.write(analysis, plan, config, Path(artifact_dir))
+        artifact = rewrite.ensure_artifact(model, plan, config, Path(artifact_dir))
         if distributed:
             dist.barrier()
-    del analysis
     _release_freed_memory()  # the analysis ran random-weight copies of whole blocks: give that back first
     timings["analyze_s"] = time.perf_counter() - t0
 

@@ -59,19 +59,18 @@ def expert_parallel_group_for(plan: Plan) -> ExpertParallelGroup:
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
                   artifact_dir: Path | None = None) -> nn.Module:
     """Make a loaded model expert-parallel in place (generate on rank 0, install everywhere)."""
-    from ..rewrite import analyze, install, write
+    from ..rewrite import ensure_artifact, install
 
     if getattr(model, "hp_rewrite", None) is not None:
         return model
     ep = ep or expert_parallel_group_for(plan)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     distributed = dist.is_available() and dist.is_initialized()
-    analysis = analyze(model, plan)
     if distributed and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 writes the artifact; the others then find it current and reuse it
-        artifact = write(analysis, plan, model.config, out)
+        dist.barrier()  # rank 0 finds or writes the artifact; the others then reuse it
+        artifact = ensure_artifact(model, plan, model.config, out)
     else:
-        artifact = write(analysis, plan, model.config, out)
+        artifact = ensure_artifact(model, plan, model.config, out)
         if distributed:
             dist.barrier()
     patched = install(model, artifact, plan, ep, shard=True)

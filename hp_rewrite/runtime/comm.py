@@ -69,29 +69,52 @@ class PendingExchange:
         self.work: dist.Work | None = None
         self.group: dist.ProcessGroup | None = None
         self.buffer: torch.Tensor | None = None
+        self.link: _BackwardLink | None = None
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             assert self.buffer is not None
             self._result = _AllToAllWait.apply(self.buffer, self)
+            self.buffer = None
         return self._result
+
+
+class _BackwardLink:
+    """Shared by a Start/Wait pair: the reverse exchange of the backward pass, in flight.
+
+    Wait's backward (which autograd runs first) launches the reverse exchange asynchronously;
+    Start's backward waits for it. Autograd nodes created between the two in the forward pass (the
+    shared expert, other chunks) run in between, so the backward overlaps the exchange as the forward
+    does. It holds no graph tensors (only the gradient in flight), so it makes no reference cycle.
+    """
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> None:
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work: dist.Work | None = None
+        self.received: torch.Tensor | None = None  # the reverse exchange's output while in flight
 
 
 class _AllToAllStart(Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, pending):  # type: ignore[override]
-        ctx.splits = (out_splits, in_splits)
-        ctx.group = group
         out, work = _exchange(x, out_splits, in_splits, group, async_op=True)
         pending.work, pending.group = work, group
+        pending.link = ctx.link = _BackwardLink(out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        g, _ = _exchange(grad, in_splits, out_splits, ctx.group, async_op=False)
-        return g, None, None, None, None
+        link = ctx.link
+        if link.received is None:  # Wait's backward did not run: exchange now
+            received, _ = _exchange(grad, link.in_splits, link.out_splits, link.group, async_op=False)
+            return received, None, None, None, None
+        try:
+            link.work.wait()
+        except RuntimeError as e:
+            raise _peer_failure(link.group, e) from e
+        received, link.work, link.received = link.received, None, None
+        return received, None, None, None, None
 
 
 class _AllToAllWait(Function):
@@ -103,11 +126,14 @@ class _AllToAllWait(Function):
             except RuntimeError as e:
                 raise _peer_failure(pending.group, e) from e
             pending.work = None
+        ctx.link = pending.link
         return buffer.view_as(buffer)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+        link = ctx.link
+        link.received, link.work = _exchange(grad, link.in_splits, link.out_splits, link.group, async_op=True)
+        return grad, None  # unused by Start's backward, which returns the exchanged gradient
 
 
 class _Ready(PendingExchange):
