@@ -57,6 +57,50 @@ def _describe(args: argparse.Namespace) -> int:
     return _run(describe_moe, args.model_dir, args.json)
 
 
+def _cost(args: argparse.Namespace) -> int:
+    from .cost.commands import CostArgs, cost
+
+    return _run(
+        cost,
+        CostArgs(
+            args.plan,
+            args.model_dir,
+            args.seq_len,
+            args.micro_batch,
+            args.ep,
+            args.etp,
+            args.tp,
+            args.cp,
+            args.world_size,
+            args.suggest,
+            args.tokens_per_expert,
+            args.json,
+            args.hardware,
+            args.hardware_file,
+            args.dtype,
+            args.reserve_gb,
+            args.calibrate,
+            args.out,
+        ),
+    )
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .cost.commands import profile
+
+    return _run(
+        profile,
+        args.plan,
+        args.model_dir,
+        args.tokens,
+        args.ep,
+        args.out,
+        args.seq_len,
+        args.batch,
+        args.seed,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hp-rewrite",
@@ -102,6 +146,98 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--from-config", type=Path, default=None, help="shrink the config.json found in this directory")
     mt.add_argument("--seed", type=int, default=0)
     mt.set_defaults(func=_make_tiny)
+
+    co = sub.add_parser(
+        "cost",
+        help="estimate per-rank FLOPs, all-to-all bytes, memory and time of the MoE "
+        "layers (config.json only); --suggest ranks EP degrees; --calibrate measures this machine",
+    )
+    co.add_argument("plan", type=Path, nargs="?", help="YAML parallel plan (its ep_size unless --ep)")
+    co.add_argument("model_dir", type=Path, nargs="?", help="checkpoint directory (only config.json is read)")
+    co.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (s)")
+    co.add_argument("--micro-batch", type=int, default=None, help="sequences per rank and micro-batch (b)")
+    co.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel degree (default: the plan's ep_size)"
+    )
+    co.add_argument(
+        "--etp", type=int, default=1, help="expert tensor parallel (divides expert FLOPs/weights)"
+    )
+    co.add_argument("--tp", type=int, default=1, help="tensor parallel (used for experts when --etp is 1)")
+    co.add_argument("--cp", type=int, default=1, help="context parallel (divides the tokens of a rank)")
+    co.add_argument("--world-size", type=int, default=None, help="ranks in all (EP x DP), for --suggest")
+    co.add_argument(
+        "--suggest",
+        action="store_true",
+        help="rank every ep that divides the world size and the "
+        "experts by estimated step time, with memory per rank against the device capacity",
+    )
+    co.add_argument(
+        "--tokens-per-expert",
+        type=Path,
+        default=None,
+        help="profile.json from hp-rewrite profile (skew-aware: the busiest rank sets the pace)",
+    )
+    co.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    co.add_argument(
+        "--hardware",
+        default=None,
+        help="preset: cpu-gloo, h100-nvlink, h200-nvlink (default), ascend910b-hccs",
+    )
+    co.add_argument(
+        "--hardware-file",
+        type=Path,
+        default=None,
+        help="JSON of hardware fields overriding the preset (e.g. written by --calibrate)",
+    )
+    co.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="training dtype (default: the config's, else bf16)",
+    )
+    co.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=0.0,
+        help="memory per rank kept for everything outside the MoE layers",
+    )
+    co.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure matmul FLOP/s and all-to-all alpha/beta "
+        "on 2 local gloo ranks; write a hardware JSON (--out)",
+    )
+    co.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="with --calibrate: where to write the JSON (default ./hp-rewrite-hardware.json)",
+    )
+    co.set_defaults(func=_cost)
+
+    pr = sub.add_parser(
+        "profile",
+        help="run the model on token ids and record tokens per expert per MoE layer "
+        "(JSON + heatmap PNG + imbalance per layer)",
+    )
+    pr.add_argument(
+        "plan", type=Path, help="YAML parallel plan (selects the MoE layers; its ep_size unless --ep)"
+    )
+    pr.add_argument("model_dir", type=Path, help="checkpoint directory with weights")
+    src = pr.add_mutually_exclusive_group()
+    src.add_argument(
+        "--tokens",
+        type=Path,
+        default=None,
+        help="token ids: JSON list / list of lists, or text with one sequence of integers per line",
+    )
+    src.add_argument("--random", action="store_true", help="random token ids (the default)")
+    pr.add_argument("--ep", type=int, default=None, help="group experts by owner rank for this ep")
+    pr.add_argument("--out", type=Path, default=None, help="output directory (default ./hp-rewrite-profile)")
+    pr.add_argument("--seq-len", type=int, default=128, help="with --random: tokens per sequence")
+    pr.add_argument("--batch", type=int, default=8, help="with --random: sequences")
+    pr.add_argument("--seed", type=int, default=0, help="with --random: seed of the token ids")
+    pr.set_defaults(func=_profile)
     return parser
 
 

@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, init_file: str, target: str, payload, out_dir
         result = fn(rank, world, payload)
         out.write_text(json.dumps({"ok": True, "result": result}))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        out.write_text(json.dumps({"ok": False, "error": traceback.format_exc()}))
+        out.write_text(json.dumps({"ok": False, "error": traceback.format_exc(), "time": time.time()}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -61,6 +61,25 @@ def _status(tmp: str, rank: int) -> dict | None:
         return None
 
 
+def _failed(tmp: str, rank: int, proc) -> bool:
+    status = _status(tmp, rank)
+    return (status is not None and not status["ok"]) or (not proc.is_alive() and status is None)
+
+
+def _root_cause(tmp: str, procs) -> int | None:
+    """The rank that failed first: one that died without a word, else the earliest error that is not
+    a peer's failure echoed by the runtime (ExchangeError), else the earliest error."""
+    failures = []
+    for r, p in enumerate(procs):
+        status = _status(tmp, r)
+        if status is None and not p.is_alive() and p.exitcode not in (0, None):
+            failures.append((0, 0.0, r))
+        elif status is not None and not status["ok"]:
+            echoed = "ExchangeError" in status["error"] or "Connection closed by peer" in status["error"]
+            failures.append((2 if echoed else 1, status.get("time", 0.0), r))
+    return min(failures)[2] if failures else None
+
+
 def run_world(world: int, target: str, payload=None, timeout: float = 600.0, backend: str = "gloo",
               grace: float = 60.0) -> list:
     """Run ``target`` on ``world`` ranks; return their results in rank order.
@@ -78,19 +97,15 @@ def run_world(world: int, target: str, payload=None, timeout: float = 600.0, bac
         ]
         for p in procs:
             p.start()
-        start, first_failed, failed_at = time.monotonic(), None, None
+        start, failed_at = time.monotonic(), None
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
-            if first_failed is None:
-                for r, p in enumerate(procs):
-                    done = not p.is_alive()
-                    status = _status(tmp, r) if done else None
-                    if done and (status is None or not status["ok"]):
-                        first_failed, failed_at = r, now
-                        break
+            if failed_at is None and any(_failed(tmp, r, p) for r, p in enumerate(procs)):
+                failed_at = now
             if now - start > timeout or (failed_at is not None and now - failed_at > grace):
                 break
             time.sleep(0.05)
+        first_failed = _root_cause(tmp, procs)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

@@ -1,0 +1,336 @@
+"""Per-rank, per-MoE-layer cost: FLOPs, all-to-all volume and memory, for one parallel setting.
+
+``estimate(spec, parallel, workload)`` costs every MoE layer of a :class:`ModelSpec` on one rank:
+by default the *busiest* EP rank of each layer (the one receiving the most routed rows; every rank
+waits for it at the combine all-to-all), or a given ``rank`` (used to check against what each
+gloo rank actually did). Forward FLOPs and bytes are computed; backward is the mirror image
+(2x the FLOPs; the same bytes through the reverse exchanges).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from . import formulas
+from .routing import Histograms, RankLoads, rank_loads
+from .spec import ModelSpec, MoELayerSpec
+
+COUNT_BYTES = 8  # the runtime exchanges int64 split sizes
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """ep: expert parallel; etp / tp: expert tensor parallel / tensor parallel (the seed's t_exp =
+    etp if etp > 1 else tp; the runtime implements neither, they only divide expert FLOPs and
+    weights here); cp: context parallel (divides the tokens of a rank)."""
+
+    ep: int = 1
+    etp: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ep", "etp", "tp", "cp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+
+    @property
+    def t_exp(self) -> int:
+        return self.etp if self.etp > 1 else self.tp
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch per rank: ``micro_batch`` sequences of ``seq_len`` tokens (before cp)."""
+
+    seq_len: int
+    micro_batch: int
+
+    def tokens(self, cp: int = 1) -> float:
+        return self.seq_len * self.micro_batch / cp
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element. ``act``: hidden states exchanged and saved; ``param``/``grad``: weights and
+    their gradients; ``optimizer``: Adam's two fp32 moments; ``master``: an fp32 master copy when
+    the weights are in 16 bits (mixed precision)."""
+
+    act: int = 2
+    param: int = 2
+    grad: int = 2
+    optimizer: int = 8
+    master: int = 4
+
+    @classmethod
+    def of(cls, dtype_bytes: int) -> Precision:
+        return cls(
+            act=dtype_bytes,
+            param=dtype_bytes,
+            grad=dtype_bytes,
+            optimizer=8,
+            master=4 if dtype_bytes < 4 else 0,
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per trained parameter: weight + gradient + Adam moments (+ master copy)."""
+        return self.param + self.grad + self.optimizer + self.master
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Runtime knobs that change the cost (from the plan's ``runtime:`` section)."""
+
+    chunks: int = 1
+    overlap: bool = True
+    capacity_factor: float | None = None
+
+    @classmethod
+    def from_plan(cls, plan) -> Knobs:
+        rt = plan.runtime
+        return cls(chunks=rt.chunks, overlap=rt.overlap, capacity_factor=rt.capacity_factor)
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    router: float
+    routed: float
+    combine: float
+    shared: float
+
+    @property
+    def total(self) -> float:
+        return self.router + self.routed + self.combine + self.shared
+
+    def scaled(self, factor: float) -> LayerFlops:
+        return LayerFlops(
+            self.router * factor, self.routed * factor, self.combine * factor, self.shared * factor
+        )
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """All-to-all volume of one rank for one layer, dispatch direction, counted like the runtime's
+    ``DispatchStats``: rows to and from *this rank itself included* (the runtime hands them to
+    ``all_to_all_single`` like any other). The combine moves the same rows back (sent and received
+    swap); backward repeats both through the reverse exchanges. ``remote_*`` leave out the rows a
+    rank keeps (what crosses a link; the time model uses these). ``count_bytes``: the split-size
+    exchange, once per layer (int64 per chunk and expert, sent and received)."""
+
+    rows_sent: float
+    rows_received: float
+    bytes_sent: float
+    bytes_received: float
+    remote_bytes_sent: float
+    remote_bytes_received: float
+    count_bytes: float
+
+    @property
+    def forward_bytes(self) -> float:
+        """Bytes this rank sends in one forward: dispatch + combine (it receives the same total)."""
+        return self.bytes_sent + self.bytes_received
+
+    @property
+    def step_bytes(self) -> float:
+        """Forward and backward: every exchange has its reverse."""
+        return 2 * self.forward_bytes
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes on one rank for one layer. ``expert_*``: its ``E/ep`` routed experts (divided by t_exp);
+    ``replicated_*``: router, shared expert and shared gate (every EP rank holds them);
+    ``activations``: what the backward keeps (see docs/cost-model.md)."""
+
+    expert_params: float
+    expert_grads: float
+    expert_optimizer: float
+    replicated_params: float
+    replicated_grads: float
+    replicated_optimizer: float
+    activations: float
+
+    @property
+    def states(self) -> float:
+        return (
+            self.expert_params
+            + self.expert_grads
+            + self.expert_optimizer
+            + self.replicated_params
+            + self.replicated_grads
+            + self.replicated_optimizer
+        )
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    path: str
+    layer: int | None
+    rank: int
+    local_experts: int
+    loads: RankLoads
+    forward: LayerFlops
+    backward: LayerFlops
+    exchange: Exchange
+    memory: LayerMemory
+    shared_overlaps_dispatch: bool
+
+    @property
+    def step_flops(self) -> float:
+        return self.forward.total + self.backward.total
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    model_type: str
+    parallel: Parallel
+    workload: Workload
+    precision: Precision
+    knobs: Knobs
+    layers: tuple[LayerCost, ...]
+    other_params: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(c.forward.total for c in self.layers)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(c.backward.total for c in self.layers)
+
+    @property
+    def step_bytes(self) -> float:
+        return sum(c.exchange.step_bytes for c in self.layers)
+
+    @property
+    def memory(self) -> float:
+        return sum(c.memory.total for c in self.layers)
+
+    @property
+    def max_imbalance(self) -> float:
+        return max((c.loads.imbalance for c in self.layers), default=1.0)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["totals"] = {
+            "forward_flops": self.forward_flops,
+            "backward_flops": self.backward_flops,
+            "step_flops": self.forward_flops + self.backward_flops,
+            "step_a2a_bytes": self.step_bytes,
+            "memory_bytes": self.memory,
+            "max_imbalance": self.max_imbalance,
+        }
+        for lay, c in zip(d["layers"], self.layers, strict=True):
+            lay["loads"]["imbalance"] = c.loads.imbalance
+            lay["memory"]["total"] = c.memory.total
+            lay["exchange"]["step_bytes"] = c.exchange.step_bytes
+        return d
+
+
+def _activations(lay: MoELayerSpec, tokens: float, rows: float, act: int) -> float:
+    """Saved for backward: the block input (shared by router and shared expert), fp32 router scores,
+    the received rows and the expert MLP's intermediate outputs, the k expert outputs per token
+    kept by the weighted-sum bmm, and the shared expert's intermediates."""
+    h = lay.hidden
+    routed = rows * (h + lay.routed.n_ff * lay.routed.intermediate)
+    shared = tokens * lay.shared.n_ff * lay.shared.intermediate if lay.shared else 0.0
+    elems = tokens * h + routed + tokens * lay.top_k * h + shared
+    return elems * act + tokens * lay.num_experts * 4
+
+
+def _memory(
+    lay: MoELayerSpec, par: Parallel, prec: Precision, local: int, tokens: float, rows: float
+) -> LayerMemory:
+    t = par.t_exp
+    expert = local * lay.routed.params / t
+    replicated = (
+        lay.router_params
+        + (lay.shared.params / t if lay.shared else 0)
+        + (lay.hidden + 1 if lay.shared_gate else 0)
+    )
+    return LayerMemory(
+        expert * prec.param,
+        expert * prec.grad,
+        expert * (prec.optimizer + prec.master),
+        replicated * prec.param,
+        replicated * prec.grad,
+        replicated * (prec.optimizer + prec.master),
+        _activations(lay, tokens, rows, prec.act),
+    )
+
+
+def layer_cost(
+    lay: MoELayerSpec,
+    par: Parallel,
+    work: Workload,
+    prec: Precision | None = None,
+    knobs: Knobs | None = None,
+    histogram=None,
+    rank: int | None = None,
+) -> LayerCost:
+    """Cost of one MoE layer on EP rank ``rank`` (None: the busiest rank)."""
+    prec = prec or Precision()
+    knobs = knobs or Knobs()
+    tokens, k, ep = work.tokens(par.cp), lay.top_k, par.ep
+    loads = rank_loads(histogram, lay.num_experts, ep, tokens, k, knobs.capacity_factor)
+    r = loads.busiest_rank if rank is None else rank
+    if not 0 <= r < ep:
+        raise ValueError(f"rank {r} outside the EP group of {ep}")
+    rows, kept = loads.rows[r], sum(loads.rows)
+    sent = kept / ep  # every rank routes like the histogram: its share of the kept slots
+    share = rows / kept if kept else 1.0 / ep
+    row_bytes = lay.hidden * prec.act
+    fwd = LayerFlops(
+        router=formulas.router_flops(tokens, lay.hidden, lay.num_experts),
+        routed=formulas.expert_flops(rows, lay.routed, par.t_exp),
+        combine=formulas.combine_flops(tokens, k, lay.hidden),
+        shared=formulas.shared_flops(tokens, lay.shared, lay.shared_gate, par.t_exp),
+    )
+    exchange = Exchange(
+        rows_sent=sent,
+        rows_received=rows,
+        bytes_sent=sent * row_bytes,
+        bytes_received=rows * row_bytes,
+        remote_bytes_sent=sent * (1 - share) * row_bytes,
+        remote_bytes_received=rows * (ep - 1) / ep * row_bytes,
+        count_bytes=(COUNT_BYTES * knobs.chunks * lay.num_experts) if ep > 1 else 0,
+    )
+    local = lay.num_experts // ep if lay.num_experts % ep == 0 else lay.num_experts / ep
+    return LayerCost(
+        path=lay.path,
+        layer=lay.layer,
+        rank=r,
+        local_experts=local,
+        loads=loads,
+        forward=fwd,
+        backward=fwd.scaled(2.0),
+        exchange=exchange,
+        memory=_memory(lay, par, prec, local, tokens, rows),
+        shared_overlaps_dispatch=lay.shared_overlaps_dispatch,
+    )
+
+
+def estimate(
+    spec: ModelSpec,
+    par: Parallel,
+    work: Workload,
+    prec: Precision | None = None,
+    knobs: Knobs | None = None,
+    histograms: Histograms | None = None,
+    rank: int | None = None,
+) -> ModelCost:
+    """Cost of every MoE layer of ``spec`` (busiest rank of each layer unless ``rank`` is given)."""
+    prec = prec or (Precision.of(spec.dtype_bytes) if spec.dtype_bytes else Precision())
+    knobs = knobs or Knobs()
+    histograms = histograms or Histograms()
+    layers = tuple(
+        layer_cost(lay, par, work, prec, knobs, histograms.for_layer(lay.path), rank) for lay in spec.layers
+    )
+    return ModelCost(spec.model_type, par, work, prec, knobs, layers, spec.other_params, spec.notes)

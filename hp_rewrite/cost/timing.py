@@ -1,0 +1,123 @@
+"""Time of one MoE layer on its busiest rank: compute at achieved FLOP/s, exchanges alpha-beta.
+
+Exchange time (one all-to-all, one chunk): ``alpha * messages + bytes / beta``, with one message
+per peer, the remote bytes split between peers in the node (``beta``, or ``peers * link_Bps`` on a
+full mesh) and peers in other nodes (``beta_inter``); EP groups are consecutive ranks, so a group
+of ``ep <= devices_per_node`` stays in one node. A rank sends and receives at once, so an exchange
+takes as long as its larger direction.
+
+Forward follows the runtime's schedule (``hp_rewrite/runtime/dispatch.py``): router, count exchange
+(blocking: one host sync), every chunk's dispatch issued at once on the link, the shared expert
+computed meanwhile (block-level archetypes only), then per chunk the expert GEMMs as soon as its
+rows arrived and its combine queued on the link behind the dispatches, finally the weighted sum.
+Backward runs the reverse exchanges synchronously (as the runtime's autograd functions do): no
+overlap, everything adds up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+from .per_rank import LayerCost, ModelCost
+
+
+def exchange_time(remote_bytes: float, ep: int, hw: Hardware) -> float:
+    """One all-to-all among ``ep`` ranks moving ``remote_bytes`` off this rank (one direction)."""
+    if ep <= 1:
+        return 0.0
+    in_node = min(ep, hw.devices_per_node) - 1
+    off_node = ep - 1 - in_node
+    beta_in = hw.beta_Bps if hw.link_Bps is None else min(hw.beta_Bps, max(in_node, 1) * hw.link_Bps)
+    per_peer = remote_bytes / (ep - 1)
+    return (
+        hw.alpha_s * in_node
+        + hw.alpha_inter_s * off_node
+        + per_peer * in_node / beta_in
+        + per_peer * off_node / hw.beta_inter_Bps
+    )
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds on the layer's busiest rank. ``exposed_comm``: time beyond pure compute."""
+
+    compute: float
+    comm: float
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def exposed_comm(self) -> float:
+        return max(self.total - self.compute, 0.0)
+
+
+def forward_schedule(
+    router: float,
+    counts: float,
+    shared: float,
+    experts: float,
+    combine_mm: float,
+    dispatch: float,
+    combine: float,
+    chunks: int,
+    overlap: bool,
+    shared_overlaps: bool,
+) -> float:
+    """Forward time of one layer on one rank for the runtime's schedule (see the module docstring)."""
+    c = max(chunks, 1)
+    d, g, x = dispatch / c, experts / c, combine / c
+    if not overlap:
+        return router + counts + dispatch + shared + experts + combine + combine_mm
+    t0 = router + counts + (0.0 if shared_overlaps else shared)  # experts level: shared runs before
+    arrivals = [t0 + (i + 1) * d for i in range(c)]
+    link = t0 + c * d
+    compute = t0 + (shared if shared_overlaps else 0.0)
+    for i in range(c):
+        compute = max(compute, arrivals[i]) + g
+        link = max(link, compute) + x
+    return max(link, compute) + combine_mm
+
+
+def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap: bool = True) -> LayerTime:
+    f, flops = cost.forward, hw.achieved_flops
+    router, shared, experts, combine_mm = (
+        f.router / flops,
+        f.shared / flops,
+        f.routed / flops,
+        f.combine / flops,
+    )
+    ex = cost.exchange
+    biggest = max(ex.remote_bytes_sent, ex.remote_bytes_received)
+    one = exchange_time(biggest, ep, hw)
+    per_chunk_alpha = exchange_time(0.0, ep, hw)  # latency of one extra chunk's messages
+    a2a = one + (chunks - 1) * per_chunk_alpha
+    counts = exchange_time(ex.count_bytes, ep, hw)
+    fwd = forward_schedule(
+        router, counts, shared, experts, combine_mm, a2a, a2a, chunks, overlap, cost.shared_overlaps_dispatch
+    )
+    bwd = 2 * (router + shared + experts + combine_mm) + 2 * a2a
+    compute = 3 * (router + shared + experts + combine_mm)
+    return LayerTime(compute=compute, comm=counts + 4 * a2a, forward=fwd, backward=bwd)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Forward + backward of every costed MoE layer for one micro-batch (sum of each layer's busiest rank)."""
+
+    compute: float
+    comm: float
+    total: float
+
+    @property
+    def exposed_comm(self) -> float:
+        return max(self.total - self.compute, 0.0)
+
+
+def step_time(cost: ModelCost, hw: Hardware) -> StepTime:
+    times = [layer_time(c, hw, cost.parallel.ep, cost.knobs.chunks, cost.knobs.overlap) for c in cost.layers]
+    return StepTime(sum(t.compute for t in times), sum(t.comm for t in times), sum(t.total for t in times))
