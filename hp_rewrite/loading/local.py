@@ -38,7 +38,6 @@ import json
 import math
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError, ExpertParallelGroup
+from .tiny import quiet_transformers
 
 __all__ = ["CheckpointKeyError", "load_expert_parallel"]
 
@@ -485,22 +485,8 @@ def _meta_model(config, dtype: torch.dtype) -> nn.Module:
 
     cls = auto_class_for(config)
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
-    with torch.device("meta"), _quiet():
+    with torch.device("meta"), quiet_transformers():
         return build(config, attn_implementation="eager", dtype=dtype)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _dtype_rule(model: nn.Module, dtype: torch.dtype) -> Callable[[str], torch.dtype]:
@@ -622,7 +608,7 @@ def load_expert_parallel(
     if not (model_dir / "config.json").is_file():
         raise CheckpointKeyError(f"{model_dir}: no config.json; pass a transformers checkpoint directory")
     reader = _Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
-    with _quiet():
+    with quiet_transformers():
         config = AutoConfig.from_pretrained(model_dir)
     t0 = time.perf_counter()
     model = _meta_model(config, dtype)
@@ -661,7 +647,7 @@ def load_expert_parallel(
                 new = _set(module, attr, old, value, is_param)
                 new._is_hf_initialized = True  # transformers' init functions skip flagged tensors
                 new_for[id(old)] = new
-    with _quiet():
+    with quiet_transformers():
         _finish(model, new_for, allowed_missing)
     model.eval()
     model._weight_conversions = [t for t in transforms if t.was_used()]

@@ -204,7 +204,7 @@ def _default_config(model_type: str):
         hint = f"; close matches: {', '.join(close)}" if close else ""
         raise TinyError(f"unknown model type {model_type!r} in transformers{hint}")
     try:
-        with _quiet():
+        with quiet_transformers():
             return mapping[model_type]()
     except Exception as e:  # a config class whose defaults do not validate
         raise TinyError(f"{model_type}: its default config cannot be built: {_short(e)}") from e
@@ -554,7 +554,7 @@ def tiny_config(model_type_or_config):
 
 def _shrunk_config(cfg, skip: frozenset[str]):
     cfg = copy.deepcopy(cfg)
-    with _quiet():
+    with quiet_transformers():
         _shrink(cfg, {}, skip)
         # round trip through the dict form: runs __post_init__ and validation on the new sizes
         cfg = type(cfg).from_dict(cfg.to_dict())
@@ -651,7 +651,7 @@ def build_tiny_model(config, seed: int = 0, device: str | torch.device | None = 
     model_type = getattr(config, "model_type", "?")
     cls = auto_class_for(config)
     try:
-        with torch.random.fork_rng(devices=[]), _quiet():
+        with torch.random.fork_rng(devices=[]), quiet_transformers():
             torch.manual_seed(seed)
             with torch.device(device) if device is not None else contextlib.nullcontext():
                 model = _instantiate(cls, copy.deepcopy(config))
@@ -778,7 +778,7 @@ def make_tiny(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        with _quiet():
+        with quiet_transformers():
             model.save_pretrained(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above); fails if someone filled it meanwhile
@@ -799,7 +799,7 @@ def _read_config(path: Path):
     if not (where / "config.json").is_file():
         raise TinyError(f"make_tiny: no config.json in {where}")
     try:
-        with _quiet():
+        with quiet_transformers():
             return AutoConfig.from_pretrained(where)
     except Exception as e:
         raise TinyError(f"make_tiny: cannot read the config in {where}: {_short(e)}") from e
@@ -860,7 +860,7 @@ def moe_model_types() -> list[str]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' warnings and progress bars (config validation chatter, shard bars)."""
     from transformers.utils import logging as hf_logging
 

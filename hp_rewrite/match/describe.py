@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-import warnings
-from collections.abc import Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 from torch import nn
 
+from ..loading.tiny import quiet_transformers
 from ..runtime import ExpertParallelError, ExpertsLayout
 from .archetype import MatchResult, choose_archetype, layout_name
 from .structure import analyze_block, experts_layout, find_experts_holders
@@ -134,21 +133,6 @@ def plan_snippet(globs: list[str], num_experts: int, experts_level: bool, commen
     else:
         lines.append("archetype: auto")
     return "\n".join(lines) + "\n"
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' warnings go away while the model is built and probed (stdout stays JSON)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _forward_param_names(module: nn.Module) -> tuple[list[str], bool]:
@@ -763,7 +747,7 @@ def _finding_key(f: dict) -> tuple:
 def describe(model: nn.Module, config) -> dict:
     """The describe-moe document for a model built from ``config`` (normally on the meta device)."""
     note = None
-    with _quiet():
+    with quiet_transformers():
         size = _largest_block_bytes(model)
         if size > MATERIALIZE_LIMIT:
             results, note = _match_via_small_copy(model, config, size)
@@ -858,7 +842,7 @@ def describe_moe(model_dir: Path, as_json: bool) -> int:
 
     from ..commands import UserError, load_config
 
-    with _quiet():
+    with quiet_transformers():
         config = load_config(Path(model_dir))
         try:
             model, note = build_meta_model(config)
