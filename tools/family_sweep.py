@@ -39,6 +39,9 @@ def check(model_type: str, out_dir: Path) -> dict:
         "patched": len(patched),
     }
     if not patched:
+        row["unmatched"] = row["unmatched"] or [
+            "no experts holder follows the (hidden, top_k_index, top_k_weights) contract: left untouched; "
+            "`hp-rewrite describe-moe` gives the reason and what to do"]
         return {**row, "status": "unmatched"}
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     outs = []
