@@ -46,11 +46,11 @@ def load_config(model_dir: Path):
 def meta_model(config):
     """The model built on the meta device: structure only, no weights read or allocated."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
 
-    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel
+    from .loading.tiny import auto_class_for
+
     with torch.device("meta"):
-        return auto.from_config(config, attn_implementation="eager")
+        return auto_class_for(config).from_config(config, attn_implementation="eager")
 
 
 def _top_k(s) -> int | None:
@@ -107,7 +107,7 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
     result = {"modules": modules, "unmatched": unmatched, "generated": artifact.files, "timings": timings}
     code = 0
     if nproc:
-        payload = {"plan": plan.canonical(), "artifact_dir": str(artifact.directory), "manifest": artifact.manifest,
+        payload = {"plan": plan.canonical(), "artifact_root": str(out_dir),
                    "model_dir": str(model_dir), "verify": verify, "batch_per_rank": 2, "seq_len": 16}
         t0 = time.perf_counter()
         try:

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .codegen import Artifact
 from .loading.local import load_expert_parallel
 from .plan import Plan
 from .runtime import build_expert_parallel_group
@@ -26,11 +25,12 @@ FP32_TOL = 1e-5
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The checkpoint's model with an LM head when it has one (eager attention, eval mode)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .loading.tiny import auto_class_for
 
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel
-    return auto.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+    return auto_class_for(config).from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> tuple[float, float]:
@@ -78,11 +78,10 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
 def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(max(1, payload.get("threads", 1)))
     plan = Plan.model_validate(payload["plan"])
-    artifact = Artifact(Path(payload["artifact_dir"]), payload["manifest"])
     ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
     t0 = time.perf_counter()
     # the same load path as auto_patch: built on meta, only this rank's experts read from disk
-    model, report = load_expert_parallel(payload["model_dir"], plan, ep, artifact.directory.parent)
+    model, report = load_expert_parallel(payload["model_dir"], plan, ep, Path(payload["artifact_root"]))
     patched = report["patched"]
     timings = {"load_s": time.perf_counter() - t0}
     ref = load_model(payload["model_dir"]) if payload["verify"] else None

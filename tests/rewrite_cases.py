@@ -22,8 +22,10 @@ REQUIRED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"
                      "gpt_oss"]
 
 
-def plan_for(ep_size: int, **runtime) -> object:
+def plan_for(ep_size: int, archetype: dict | None = None, **runtime) -> object:
     lines = [f"version: 1\nep_size: {ep_size}\n"]
+    if archetype:
+        lines.append("archetype:\n" + "".join(f"  {k}: {v}\n" for k, v in archetype.items()))
     if runtime:
         lines.append("runtime:\n" + "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n"
                                             for k, v in runtime.items()))
@@ -38,8 +40,8 @@ def _rel(a, b) -> float:
 
 
 def compare(model_type: str, out_dir: str, rank: int = 0, world: int = 1, ep_size: int = 1,
-            router_logits: bool = False, **runtime) -> dict:
-    plan = plan_for(ep_size, **runtime)
+            router_logits: bool = False, archetype: dict | None = None, **runtime) -> dict:
+    plan = plan_for(ep_size, archetype, **runtime)
     ep = build_expert_parallel_group(ep_size) if world > 1 else ExpertParallelGroup.single()
     ref = build_tiny_model(tiny_config(model_type), seed=0)
     model = copy.deepcopy(ref)

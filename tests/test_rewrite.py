@@ -37,6 +37,19 @@ def test_chunked_eager_sync_plan_matches_unmodified(tmp_path: Path) -> None:
     assert r["worst_err"] <= TOL, r
 
 
+@pytest.mark.parametrize(("model_type", "router"), [("qwen3_moe", "softmax_topk"), ("deepseek_v3", "sigmoid_group")])
+def test_inlined_router_matches_unmodified(model_type: str, router: str, tmp_path: Path) -> None:
+    r = compare(model_type, str(tmp_path), archetype={"router": router})
+    assert r["patched"] and {a["router"] for a in r["archetypes"]} == {router}, r
+    assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
+
+
+def test_forced_router_that_does_not_fit_is_reported_not_ignored(tmp_path: Path) -> None:
+    r = compare("qwen3_moe", str(tmp_path), archetype={"router": "sigmoid_group"})
+    assert not r["patched"] and r["unmatched"], r
+    assert all("the plan asks for router: sigmoid_group" in reason for reason in r["unmatched"])
+
+
 _EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 

@@ -125,6 +125,10 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
             for renorm in (True, False):
                 for dtype in dtypes:
                     routers.append(("softmax_topk", {"TOP_K": top_k, "RENORMALIZE": renorm, "WEIGHTS_DTYPE": dtype}))
+    if (not recorded or forced.get("router") == "sigmoid_group") and forced.get("router", "auto") in (
+        "auto", "sigmoid_group"
+    ):
+        routers.extend(("sigmoid_group", c) for c in _sigmoid_group_constants(router))
     if forced.get("router", "auto") != "auto":
         routers = [r for r in routers if r[0] == forced["router"]]
     shared_modes = []
@@ -142,6 +146,27 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
     for r_kind, r_consts in routers:
         for s_mode, s_consts in shared_modes:
             yield r_kind, s_mode, {**r_consts, **s_consts}
+
+
+def _first_attr(module: nn.Module, names: tuple[str, ...]):
+    return next((getattr(module, n) for n in names if getattr(module, n, None) is not None), None)
+
+
+def _sigmoid_group_constants(router: nn.Module) -> list[dict]:
+    """DeepSeek-V3 style candidates, read from the router's attributes (confirmed by execution later)."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    top_k = _first_attr(router, ("top_k",))
+    if not isinstance(bias, torch.Tensor) or not isinstance(top_k, int):
+        return []
+    scaling = _first_attr(router, ("routed_scaling_factor",))
+    base = {
+        "TOP_K": top_k,
+        "NUM_GROUPS": _first_attr(router, ("n_group", "num_group")) or 1,
+        "TOPK_GROUPS": _first_attr(router, ("topk_group",)) or 1,
+        "RENORMALIZE": bool(_first_attr(router, ("norm_topk_prob",))),
+        "SCALING": float(scaling) if scaling is not None else 1.0,
+    }
+    return [{**base, "MASKED_FILL": fill} for fill in (float("-inf"), 0.0)]
 
 
 _DEFAULT_CONSTANTS = {"TOP_K": 1, "RENORMALIZE": False, "SCALING": None, "WEIGHTS_DTYPE": "logits",
@@ -223,8 +248,12 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         why = ("no router child with weight [num_experts, hidden]" if not s.router_name
                else f"children that fit no role: {', '.join(s.others)}" if s.others else "block not callable")
         result.tried.append(f"block level: {why}")
-    if level == "block":
-        result.reason = "; ".join(result.tried) or "no block-level archetype fits"
+    forced_block = [f"{k}: {forced[k]}" for k in ("router", "shared") if forced.get(k, "auto") != "auto"]
+    if level == "block" or forced_block:
+        # an experts-level archetype keeps the model's own router and shared code, so it cannot
+        # honour a plan that asks for a given router or shared merge: report instead of ignoring it
+        asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
+        result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
         return result
     holder.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), holder)
     with torch.no_grad():

@@ -162,6 +162,15 @@ def all_to_all_async(
     return pending
 
 
+def exchange(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None, overlap: bool
+) -> PendingExchange:
+    """The async exchange when ``overlap``, else the sync one wrapped as already completed."""
+    if overlap:
+        return all_to_all_async(x, out_splits, in_splits, group)
+    return _Ready(all_to_all(x, out_splits, in_splits, group))
+
+
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable."""
     if group is None:

@@ -163,10 +163,7 @@ def dispatch(
             to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
         chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
         send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
-        if options.overlap:
-            chunk.exchange = comm.all_to_all_async(send_x, recv_splits, send_splits, ep.group)
-        else:
-            chunk.exchange = comm._Ready(comm.all_to_all(send_x, recv_splits, send_splits, ep.group))
+        chunk.exchange = comm.exchange(send_x, recv_splits, send_splits, ep.group, options.overlap)
         stats.rows_sent += len(rows)
         stats.rows_received += sum(recv_splits)
         chunks.append(chunk)
@@ -201,10 +198,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute), via_call)
         if chunk.to_expert_major is not None:
             y = y.index_select(0, chunk.to_expert_major)
-        if opts.overlap:
-            combines.append(comm.all_to_all_async(y, chunk.send_splits, chunk.recv_splits, ep.group))
-        else:
-            combines.append(comm._Ready(comm.all_to_all(y, chunk.send_splits, chunk.recv_splits, ep.group)))
+        combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap))
     outs = []
     k, hidden_size = state.top_k, state.hidden_shape[-1]
     for chunk, pending in zip(state.chunks, combines, strict=True):
