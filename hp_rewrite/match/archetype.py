@@ -6,6 +6,10 @@ For a block the candidates are tried in order: block-level (the whole forward ge
 with random weights, the generated code reproduces the original module's output on a random probe
 (fp32, relative error <= 1e-5). Otherwise the next candidate is tried, and a block no candidate
 reproduces is reported unmatched with the reason.
+
+The materialised copy has the experts' intermediate width narrowed (:func:`narrow_probe`): the check
+needs the block's code paths, not its sizes, and a full-width copy of every expert of one layer can
+exceed a rank's share of the model when it loads expert-parallel.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class MatchResult:
     archetype: Archetype | None
     reason: str = ""
     tried: list[str] = field(default_factory=list)
+    probe_width: int | None = None  # the experts' intermediate width in the probe; None: full width
 
 
 def layout_name(experts: nn.Module) -> str:
@@ -63,9 +68,12 @@ def layout_name(experts: nn.Module) -> str:
     return "-".join(parts)
 
 
-def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
-    """A CPU fp32 copy with random weights (works for modules built on the meta device)."""
-    m = copy.deepcopy(module)
+def materialize(module: nn.Module, seed: int = 0, memo: dict | None = None) -> nn.Module:
+    """A CPU fp32 copy with random weights (works for modules built on the meta device).
+
+    ``memo`` is passed to ``copy.deepcopy``: it can map parameters to meta placeholders of other shapes.
+    """
+    m = copy.deepcopy(module, memo)
     if any(t.is_meta for t in list(m.parameters()) + list(m.buffers())):
         m = m.to_empty(device="cpu")
     m = m.float().eval()
@@ -77,6 +85,61 @@ def materialize(module: nn.Module, seed: int = 0) -> nn.Module:
             if b.is_floating_point():
                 b.copy_(torch.randn(b.shape, generator=g) * (0.05 if "bias" in name else 1.0))
     return m
+
+
+#: Expert intermediate widths tried for the probe, in order (see :func:`narrow_probe`).
+NARROW_WIDTHS = (16, 24, 12)
+_WIDTH_ATTRS = ("intermediate_size", "intermediate_dim", "moe_intermediate_size", "expert_dim", "ffn_dim")
+
+
+def _narrow_shapes(experts: nn.Module, hidden: int) -> tuple[int, int, dict[str, tuple]] | None:
+    """(full width, narrow width, narrow shape of each intermediate-sized parameter), or None."""
+    layout = experts_layout(experts)
+    down_in, up_out = (1, 2) if layout.transposed else (2, 1)  # down [E, H, I], up [E, I or 2I, H]
+    width = getattr(experts, layout.down).shape[down_in]
+    # a width equal to H (or half of it) could change the transposition read from the shapes
+    narrow = next((w for w in NARROW_WIDTHS if w < width and hidden not in (w, 2 * w)), None)
+    if narrow is None:
+        return None
+    axes = {n: up_out for n in (layout.gate, layout.up) if n}
+    axes |= {n: 1 for n in (layout.gate_bias, layout.up_bias) if n}  # biases are [E, out]
+    axes[layout.down] = down_in
+    shapes = {}
+    for name, axis in axes.items():
+        shape = list(getattr(experts, name).shape)
+        if shape[axis] % width:
+            return None
+        shape[axis] = shape[axis] // width * narrow  # keeps 2I (fused gate/up) even: 2 * narrow
+        shapes[name] = tuple(shape)
+    return width, narrow, shapes
+
+
+def narrow_probe(s: BlockStructure, seed: int = 0) -> tuple[nn.Module, int] | None:
+    """:func:`materialize` of the block with the experts' intermediate width narrowed, and that width.
+
+    The full-width copy holds every expert of one layer in fp32, more than a rank's share of the
+    model when it loads expert-parallel; the check needs the code paths, not the sizes. Only the
+    experts' intermediate-sized parameters (and int attributes naming that width) change: they are
+    swapped for meta placeholders before the copy is allocated, so the full width is never allocated.
+    Router, shared experts and hidden size keep their sizes. None when the width is already small or
+    the narrowed copy would read as another layout.
+    """
+    found = _narrow_shapes(s.experts, s.hidden_size)
+    if found is None:
+        return None
+    width, narrow, shapes = found
+    memo = {
+        id(getattr(s.experts, name)): nn.Parameter(torch.empty(shape, device="meta"))
+        for name, shape in shapes.items()
+    }
+    probe = materialize(s.block, seed, memo)
+    experts = getattr(probe, s.experts_name)
+    for attr in _WIDTH_ATTRS:
+        if type(getattr(experts, attr, None)) is int and getattr(experts, attr) == width:
+            setattr(experts, attr, narrow)
+    if experts_layout(experts) != experts_layout(s.experts):
+        return None
+    return probe, narrow
 
 
 def compile_function(source: str, name: str):
@@ -201,24 +264,48 @@ def _experts_probe(s: BlockStructure):
     return h, r.indices, r.weights
 
 
+def _original_outputs(probe: nn.Module, s: BlockStructure, x: torch.Tensor, experts_in: tuple):
+    """The unmodified probe's experts output, and its block output or the exception the block raised."""
+    with torch.no_grad():
+        experts_ref = getattr(probe, s.experts_name)(*experts_in)
+        try:
+            return experts_ref, probe(x)
+        except Exception as e:  # noqa: BLE001 - reported; the experts level may still fit
+            return experts_ref, e
+
+
 def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True) -> MatchResult:
     """Pick and confirm an archetype for one block. ``forced`` holds plan choices (router, shared, level)."""
     forced = forced or {}
     result = MatchResult(s, None)
     layout = layout_name(s.experts)
-    # One materialised copy of the block (random weights) serves every candidate: the original
-    # outputs are taken first, then its experts holder is made expert-parallel (EP=1) in place.
-    probe = materialize(s.block)
+    # One materialised copy of the block (random weights, narrow experts) serves every candidate: the
+    # original outputs are taken first, then its experts holder is made expert-parallel (EP=1) in place.
+    # If the narrow copy's own forward fails, the full-width copy is used instead.
     x = _probe_inputs(s)
     experts_in = _experts_probe(s)
-    with torch.no_grad():
-        experts_ref = getattr(probe, s.experts_name)(*experts_in)
+    probe, narrow_error = None, None
+    narrow = narrow_probe(s)
+    if narrow is not None:
+        probe, result.probe_width = narrow
         try:
-            ref = probe(x)
-            block_callable = True
-        except Exception as e:  # noqa: BLE001
-            ref, block_callable = None, False
-            result.tried.append(f"block forward(hidden) raised {type(e).__name__}: {e}")
+            experts_ref, ref = _original_outputs(probe, s, x, experts_in)
+        except Exception as e:  # noqa: BLE001 - the experts call failed at the narrow width
+            ref = e
+        if isinstance(ref, Exception):
+            probe, narrow_error, result.probe_width = None, ref, None
+    if probe is None:
+        probe = materialize(s.block)
+        experts_ref, ref = _original_outputs(probe, s, x, experts_in)
+        if narrow_error is not None and not (isinstance(ref, Exception) and repr(ref) == repr(narrow_error)):
+            result.tried.append(
+                f"probe at expert width {narrow[1]} raised {type(narrow_error).__name__}: "
+                f"{narrow_error}; probed at full width"
+            )
+    block_callable = not isinstance(ref, Exception)
+    if not block_callable:
+        result.tried.append(f"block forward(hidden) raised {type(ref).__name__}: {ref}")
+        ref = None
     holder = _install_ep1(probe, s)
     returns_weights = isinstance(ref, tuple)
     level = forced.get("level", "auto")
