@@ -62,7 +62,19 @@ def _top_k(s) -> int | None:
     return None
 
 
-def module_rows(analysis, ep_size: int) -> tuple[list[dict], list[dict]]:
+def _experts_by_rank(plan, s) -> list[list[int]] | None:
+    """Each EP rank's experts under the plan's placement (None when the placement is contiguous)."""
+    from .rewrite import expert_placement
+    from .runtime import ExpertParallelGroup
+
+    if plan.placement.strategy == "contiguous" or s.num_experts % plan.ep_size:
+        return None
+    placement = expert_placement(plan, s, ExpertParallelGroup(size=plan.ep_size))
+    return None if placement.is_contiguous else [list(placement.experts_of(r)) for r in range(plan.ep_size)]
+
+
+def module_rows(analysis, plan) -> tuple[list[dict], list[dict]]:
+    ep_size = plan.ep_size
     modules = [
         {
             "path": r.structure.path,
@@ -72,6 +84,7 @@ def module_rows(analysis, ep_size: int) -> tuple[list[dict], list[dict]]:
             "num_experts": r.structure.num_experts,
             "local_experts": r.structure.num_experts // ep_size if r.structure.num_experts % ep_size == 0 else None,
             "top_k": _top_k(r.structure),
+            "experts_by_rank": _experts_by_rank(plan, r.structure),
         }
         for r in analysis.matched
     ]
@@ -96,7 +109,7 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
         raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}: "
                         "the world is split into EP groups of ep_size ranks")
     analysis = analyze(model, plan)
-    modules, unmatched = module_rows(analysis, plan.ep_size)
+    modules, unmatched = module_rows(analysis, plan)
     bad = [m for m in modules if m["local_experts"] is None]
     if bad:
         raise UserError(f"ep_size {plan.ep_size} does not divide the {bad[0]['num_experts']} experts of "
@@ -148,6 +161,10 @@ def _print_modules(modules, unmatched, excluded, artifact) -> None:
         table.add_row(m["path"], m["class"], a["level"], a["router"], a["shared"], a["layout"],
                       str(m["num_experts"]), str(m["local_experts"]), str(m["top_k"]))
     console.print(table)
+    for m in modules:
+        if m["experts_by_rank"]:
+            ranks = "; ".join(f"rank {r}: {e}" for r, e in enumerate(m["experts_by_rank"]))
+            console.print(f"placement of {m['path']} (balanced): {ranks}", highlight=False)
     for u in unmatched:
         console.print(f"[yellow]unmatched[/] {u['path']} ({u['class']}): {u['reason']}")
     if excluded:

@@ -17,7 +17,14 @@ from .codegen import Artifact, GeneratedFunction, import_artifact, write_artifac
 from .codegen.artifacts import find_current
 from .match import MatchResult, choose_archetype, find_blocks
 from .match.archetype import block_source, experts_source
-from .runtime import ExpertParallelError, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+from .match.structure import BlockStructure
+from .runtime import (
+    ExpertParallelError,
+    ExpertParallelGroup,
+    ExpertPlacement,
+    RuntimeOptions,
+    install_expert_parallel,
+)
 
 
 def _qualname(cls: type) -> str:
@@ -63,8 +70,11 @@ def analyze(model: nn.Module, plan) -> Analysis:
             router = getattr(s.block, s.router_name) if s.router_name else None
             by_class[key] = choose_archetype(s, forced, recorded_router=type(router) in recorded)
         first = by_class[key]
-        result = MatchResult(s, first.archetype, first.reason, first.tried)
+        result = MatchResult(s, first.archetype, first.reason, first.tried, first.probe_width)
         (matched if result.archetype else unmatched).append(result)
+        if result.archetype and plan.placement.strategy == "balanced" and s.num_experts % plan.ep_size == 0:
+            # a profile that does not fit the model fails here, before any rank is launched
+            expert_placement(plan, s, ExpertParallelGroup(size=plan.ep_size))
     return Analysis(matched, unmatched, excluded)
 
 
@@ -102,6 +112,26 @@ def ensure_artifact(model: nn.Module, plan, config, out_dir: Path) -> Artifact:
     return find_current(Path(out_dir), plan.hash(), config) or write(analyze(model, plan), plan, config, out_dir)
 
 
+def expert_placement(plan, s: BlockStructure, ep: ExpertParallelGroup) -> ExpertPlacement:
+    """This rank's experts of block ``s`` under the plan's ``placement`` section."""
+    loads = plan.placement.loads_for(s.path)
+    if plan.placement.strategy == "contiguous":
+        return ExpertPlacement(s.num_experts, ep.size, ep.rank)
+    if loads is None:
+        raise ExpertParallelError(
+            f"placement: the routing loads have no entry for the MoE block {s.path}; record them on this "
+            "model with `hp-rewrite profile` (same model and plan), or use strategy: contiguous"
+        )
+    if len(loads) != s.num_experts:
+        raise ExpertParallelError(
+            f"placement: the routing loads of {s.path} count {len(loads)} experts, the block has "
+            f"{s.num_experts}; the profile was recorded on another model"
+        )
+    if ep.size == 1:
+        return ExpertPlacement(s.num_experts, 1, 0)
+    return ExpertPlacement.balanced(loads, ep.size, ep.rank)
+
+
 def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             options: RuntimeOptions | None = None, shard: bool = True) -> list[str]:
     """Install the artifact's forwards on ``model`` (real weights). Returns the patched block paths."""
@@ -115,7 +145,8 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
         entry = classes.get(_qualname(type(s.experts)))
         if entry is None:
             continue  # unmatched when analysed: left untouched
-        install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard)
+        install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard,
+                                placement=expert_placement(plan, s, ep))
         s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
         block_entry = classes.get(_qualname(type(s.block)))
         if block_entry is not None and block_entry["archetype"]["level"] == "block":

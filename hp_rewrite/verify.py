@@ -68,7 +68,7 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
         if binding is not None and name.rsplit(".", 1)[1] in owner.hp_layout.weight_names:
             if ep.replica_group is not None:
                 dist.all_reduce(grad, group=ep.replica_group)
-            ref_grad = None if ref_grad is None else ref_grad[binding.placement.local_slice]
+            ref_grad = None if ref_grad is None else ref_grad[binding.placement.local_index]
         elif world > 1:
             dist.all_reduce(grad)
         errors[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad, floor)

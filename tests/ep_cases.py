@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_rewrite.runtime import (
+    ExpertPlacement,
     ExpertsLayout,
     RuntimeOptions,
     apply_capacity,
@@ -209,19 +210,24 @@ def reference_forward(family: str, blk: nn.Module, h: torch.Tensor) -> torch.Ten
     return out.reshape(h.shape)
 
 
+def _routed_kw(blk: nn.Module, ep, opts: RuntimeOptions) -> dict:
+    """The runtime arguments generated code passes: the placement the experts were installed with."""
+    return {"num_experts": E, "ep": ep, "options": opts, "placement": blk.experts.hp_expert_parallel.placement}
+
+
 def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOptions) -> torch.Tensor:
     """What generated code does for each archetype, on this rank's tokens ``h [T_local, H]``."""
     if family == "qwen3_contract":  # experts-level archetype: the model's block code, EP experts holder
         return reference_forward("qwen3", blk, h)
     if family == "qwen3":
         r = softmax_topk(F.linear(h, blk.gate.weight), 2, renormalize=True)
-        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+        return moe_forward(h, r.indices, r.weights, blk.experts, **_routed_kw(blk, ep, opts))
     if family == "mixtral":
         r = softmax_topk(F.linear(h, blk.gate.weight), 2, renormalize=True, weights_dtype="fp32")
-        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+        return moe_forward(h, r.indices, r.weights, blk.experts, **_routed_kw(blk, ep, opts))
     if family == "qwen2":
         r = softmax_topk(F.linear(h, blk.gate.weight), 3, renormalize=False)
-        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
         shared = blk.shared_expert(h)  # overlaps the in-flight dispatch
         gate_logits = blk.shared_expert_gate(h)
         routed = experts_and_combine(state, blk.experts)
@@ -238,28 +244,28 @@ def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOp
             renormalize=c.norm_topk_prob,
             scaling=c.routed_scaling_factor,
         )
-        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
         shared = blk.shared_experts(h)
         return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
     if family in ("gpt_oss", "openai_pf"):
         r = call_router_module(blk.router, h)
-        out = moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+        out = moe_forward(h, r.indices, r.weights, blk.experts, **_routed_kw(blk, ep, opts))
         return out * blk.num_experts if family == "openai_pf" else out
     if family == "aria":
         r = call_router_module(blk.router, h)
-        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
         shared = blk.shared_experts(h)
         return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
     if family == "laguna":
         r = call_router_module(blk.gate, h)
-        state = dispatch(h, r.indices, r.weights, num_experts=E, ep=ep, options=opts)
+        state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
         shared = blk.shared_experts(h)
         return merge_shared(
             experts_and_combine(state, blk.experts), shared, "scaled", scale=blk.routed_scaling_factor
         )
     if family in ("nemotron_h", "separate", "w1w3w2_transposed"):
         r = softmax_topk(blk.gate(h), 2, renormalize=True)
-        return moe_forward(h, r.indices, r.weights, blk.experts, num_experts=E, ep=ep, options=opts)
+        return moe_forward(h, r.indices, r.weights, blk.experts, **_routed_kw(blk, ep, opts))
     raise KeyError(family)
 
 
@@ -300,6 +306,15 @@ def _slices(tokens: list[int]) -> list[slice]:
     return out
 
 
+def _placement(kind: str, ep) -> ExpertPlacement:
+    """contiguous; interleaved (rank r owns experts e with e % ep == r); balanced (from fixed skewed loads)."""
+    if kind == "interleaved":
+        return ExpertPlacement(E, ep.size, ep.rank, tuple(sorted(range(E), key=lambda e: (e % ep.size, e))))
+    if kind == "balanced":
+        return ExpertPlacement.balanced([(7 * e) % 11 + e * e for e in range(E)], ep.size, ep.rank)
+    return ExpertPlacement(E, ep.size, ep.rank)
+
+
 def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     family = case["family"]
     dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
@@ -338,14 +353,15 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     (ref_out * g).sum().backward()
 
     # ---- expert parallel: this rank's tokens, local experts only
-    install_expert_parallel(ep_blk.experts, num_experts=E, ep=ep, options=opts)
+    placement = _placement(case.get("placement", "contiguous"), ep)
+    install_expert_parallel(ep_blk.experts, num_experts=E, ep=ep, options=opts, placement=placement)
     x_ep = x[sl].clone().requires_grad_()
 
     def run_ep():
         if routing == "natural" and not capacity:
             return ep_forward(family, ep_blk, x_ep, ep, opts)
         r = forced_route(ep_blk, x_ep, routing, ep_size)
-        return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, num_experts=E, ep=ep, options=opts)
+        return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, **_routed_kw(ep_blk, ep, opts))
 
     out = run_ep()
     (out * g[sl]).sum().backward()
@@ -362,7 +378,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         if name in expert_names:
             if ep.replica_group is not None:
                 dist.all_reduce(grad, group=ep.replica_group)
-            ref_grad = None if ref_grad is None else ref_grad[placement.local_slice]
+            ref_grad = None if ref_grad is None else ref_grad[placement.local_index]
         else:
             dist.all_reduce(grad)
         if ref_grad is None and not p.requires_grad:
@@ -370,10 +386,14 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         errors[f"grad/{name}"] = _rel(grad, ref_grad)
 
     result = {"errors": errors}
+    if family == "qwen3" and routing == "natural" and not capacity:  # stats are per global expert
+        r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
+        want = torch.bincount(r.indices.reshape(-1), minlength=E)
+        result["stats_ok"] = bool(torch.equal(ep_blk.experts.hp_last_stats.tokens_per_expert, want))
     if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
         sync_blk = copy.deepcopy(ref_blk)
         sync_opts = RuntimeOptions(**{**case.get("options", {}), "overlap": False})
-        install_expert_parallel(sync_blk.experts, num_experts=E, ep=ep, options=sync_opts)
+        install_expert_parallel(sync_blk.experts, num_experts=E, ep=ep, options=sync_opts, placement=placement)
         x_s = x[sl].clone().requires_grad_()
         out_s = ep_forward(family, sync_blk, x_s, ep, sync_opts)
         (out_s * g[sl]).sum().backward()
@@ -388,7 +408,10 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         worst=worst,
         worst_err=errors[worst],
         ok=bool(
-            errors[worst] <= tol and not math.isnan(errors[worst]) and result.get("bitwise_sync_equal", True)
+            errors[worst] <= tol
+            and not math.isnan(errors[worst])
+            and result.get("bitwise_sync_equal", True)
+            and result.get("stats_ok", True)
         ),
     )
     return result

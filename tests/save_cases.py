@@ -13,13 +13,14 @@ from hp_rewrite.plan import parse_plan
 
 def load_and_save(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
-    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    plan = parse_plan(payload.get("plan") or f"version: 1\nep_size: {payload['ep_size']}\n")
     with auto_patch(plan, artifact_dir=Path(payload["gen_dir"])):
         model = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
-    local = [m.hp_expert_parallel.placement.num_local for m in model.modules()
-             if getattr(m, "hp_expert_parallel", None) is not None]
+    placements = [m.hp_expert_parallel.placement for m in model.modules()
+                  if getattr(m, "hp_expert_parallel", None) is not None]
+    local = [p.num_local for p in placements]
     model.save_pretrained(payload["out_dir"])  # collective: every rank, rank 0 writes
-    return {"local": local}
+    return {"local": local, "local_experts": [list(p.local_experts) for p in placements]}
 
 
 def load_and_compare(rank: int, world: int, payload: dict) -> dict:

@@ -494,6 +494,37 @@ def test_profile_then_cost_with_the_histogram(tiny_dir, tmp_path, capsys) -> Non
     assert doc["spec"]["confirmed"] == ["executed"] and doc["time"]["total_s"] > 0
 
 
+def test_profile_drives_a_balanced_placement(tiny_dir, tmp_path, capsys) -> None:
+    """profile -> plan placement: balanced -> apply --nproc 2 --verify: the same results, less imbalance."""
+    out = tmp_path / "prof"
+    assert cli("profile", PLAN, tiny_dir, "--random", "--seq-len", "32", "--batch", "4", "--out", out) == 0
+    assert "strategy: balanced" in capsys.readouterr().out
+    data = json.loads((out / "profile.json").read_text())
+    for lay in data["layers"]:
+        assert 1.0 <= lay["balanced_imbalance"] <= lay["imbalance"]
+    plan = tmp_path / "balanced.yaml"
+    plan.write_text("version: 1\nep_size: 2\nplacement:\n  strategy: balanced\n  profile: prof/profile.json\n")
+    report = tmp_path / "report.json"
+    assert cli("apply", plan, tiny_dir, "--out", tmp_path / "gen", "--nproc", "2", "--verify", "--report", report) == 0
+    result = json.loads(report.read_text())
+    verify = result["verify"]
+    assert verify["passed"] and verify["logits_max_rel"] <= 1e-5 and verify["grad_max_rel"] <= 1e-5
+    placed = [m["experts_by_rank"] for m in result["modules"]]
+    assert any(placed), "the profile's routing was balanced already: the placement was not exercised"
+    for by_rank in filter(None, placed):
+        assert sorted(e for r in by_rank for e in r) == list(range(8)) and all(len(r) == 4 for r in by_rank)
+
+    # a profile of another model (other block paths) stops apply before anything is written
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"layers": [{"path": "model.layers.0.moe", "tokens_per_expert": [1, 2]}]}))
+    plan.write_text("version: 1\nep_size: 2\nplacement:\n  strategy: balanced\n  profile: other.json\n")
+    capsys.readouterr()
+    assert cli("apply", plan, tiny_dir, "--out", tmp_path / "gen2") == 2
+    msg = capsys.readouterr().out
+    assert "placement" in msg and "model.layers.0.mlp" in msg and "hp-rewrite profile" in msg and "Traceback" not in msg
+    assert not (tmp_path / "gen2").exists() or not any((tmp_path / "gen2").iterdir())
+
+
 def test_profile_from_token_file(tiny_dir, tmp_path, capsys) -> None:
     f = tmp_path / "ids.txt"
     f.write_text("1 2 3 4 5\n6 7 8\n")
@@ -585,3 +616,24 @@ def test_histograms_from_json(tmp_path) -> None:
     f.write_text(json.dumps({"a.mlp": [4, 5]}))
     h = Histograms.from_json(f)
     assert h.for_layer("a.mlp") == (4, 5) and h.for_layer("b.mlp") is None
+
+
+def test_cost_follows_the_plans_balanced_placement(tiny_dir, tmp_path, capsys) -> None:
+    """The busiest rank of a balanced plan is the balanced placement's, not the consecutive blocks'."""
+    skew = [100, 90, 80, 70, 4, 3, 2, 1]  # consecutive blocks at ep=2: 340 vs 10
+    hist = tmp_path / "hist.json"
+    hist.write_text(json.dumps(skew))
+    loads = {f"model.layers.{i}.mlp": skew for i in range(2)}
+    plan = tmp_path / "balanced.yaml"
+    plan.write_text(f"version: 1\nep_size: 2\nplacement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n")
+    runs = {}
+    for name, p in (("contiguous", PLAN), ("balanced", plan)):
+        capsys.readouterr()
+        assert cli("cost", p, tiny_dir, "--seq-len", "16", "--micro-batch", "2", "--tokens-per-expert", hist,
+                   "--json") == 0
+        runs[name] = json.loads(capsys.readouterr().out)["cost"]
+    assert runs["balanced"]["knobs"]["placement"] == "balanced"
+    assert runs["contiguous"]["knobs"]["placement"] == "contiguous"
+    total = sum(runs["contiguous"]["layers"][0]["loads"]["rows"])
+    assert runs["contiguous"]["layers"][0]["loads"]["rows"][0] == pytest.approx(total * 340 / 350)
+    assert max(runs["balanced"]["layers"][0]["loads"]["rows"]) == pytest.approx(total * 175 / 350)

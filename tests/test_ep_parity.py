@@ -95,10 +95,24 @@ def _cases(world: int) -> list[dict]:
                 "options": {"chunks": 4},
             },
         ]
+        cases += [  # experts not in consecutive blocks (plan placement: balanced): same results
+            {"name": f"placed-{p}-{f}", "family": f, "placement": p}
+            for p, f in [("interleaved", "qwen3"), ("interleaved", "qwen3_contract"), ("interleaved", "gpt_oss"),
+                         ("balanced", "qwen2"), ("balanced", "separate"), ("balanced", "deepseek_v3")]
+        ]
+        cases += [
+            {"name": "placed-interleaved-deepseek_v3-chunks2-async-equals-sync", "family": "deepseek_v3",
+             "placement": "interleaved", "options": {"chunks": 2}, "compare_sync": True},
+            {"name": "placed-interleaved-capacity-probs", "family": "qwen3", "placement": "interleaved",
+             "routing": "skewed", "options": {"capacity_factor": 1.0, "drop_policy": "probs"}},
+            {"name": "placed-balanced-rank1-sends-nothing", "family": "qwen3", "placement": "balanced",
+             "tokens": [12, 0, 9, 5]},
+        ]
     if world == 4:
         cases += [  # EP=2 x 2 replicas: expert gradients summed over the replica group
             {"name": "ep2-of-4-qwen2", "family": "qwen2", "ep": 2},
             {"name": "ep2-of-4-qwen3-skewed", "family": "qwen3", "ep": 2, "routing": "skewed"},
+            {"name": "ep2-of-4-placed-interleaved-qwen2", "family": "qwen2", "ep": 2, "placement": "interleaved"},
         ]
     return cases
 

@@ -83,7 +83,7 @@ def test_plan_is_frozen() -> None:
 def test_canonical_is_complete_sorted_and_plain() -> None:
     canon = DEFAULT_PLAN.canonical()
     assert list(canon) == sorted(canon)
-    assert set(canon) == {"version", "ep_size", "modules", "archetype", "runtime", "output", "extensions"}
+    assert set(canon) == {"version", "ep_size", "modules", "archetype", "runtime", "placement", "output", "extensions"}
     assert list(canon["runtime"]) == sorted(canon["runtime"])
     assert canon["runtime"]["timeout_s"] == 60.0 and canon["runtime"]["capacity_factor"] is None
     assert json.loads(json.dumps(canon)) == canon
@@ -361,3 +361,51 @@ def test_load_plan_errors_name_the_file(tmp_path: Path) -> None:
 def test_parse_plan_default_source() -> None:
     with pytest.raises(PlanError, match=r"^<string>:1: version: "):
         parse_plan("version: 3\nep_size: 1\n")
+
+
+def _profile(path, counts: list[int]) -> None:
+    layers = [{"path": "model.layers.0.mlp", "layer": 0, "tokens_per_expert": counts}]
+    path.write_text(json.dumps({"model_type": "qwen3_moe", "layers": layers}))
+
+
+def test_placement_profile_is_read_relative_to_the_plan_and_hashed(tmp_path) -> None:
+    _profile(tmp_path / "profile.json", [9, 1, 1, 1])
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(HEAD + "placement:\n  strategy: balanced\n  profile: profile.json\n")
+    plan = load_plan(plan_file)
+    assert plan.placement.loads_for("model.layers.0.mlp") == [9, 1, 1, 1]
+    assert plan.placement.loads_for("model.layers.1.mlp") is None
+    inline = parse_plan(HEAD + "placement:\n  strategy: balanced\n  loads: {model.layers.0.mlp: [9, 1, 1, 1]}\n")
+    assert inline.placement.loads == plan.placement.loads
+    before = plan.hash()
+    _profile(tmp_path / "profile.json", [1, 9, 1, 1])  # same path, new loads: a different plan
+    assert load_plan(plan_file).hash() != before
+    assert DEFAULT_PLAN.placement.strategy == "contiguous" and DEFAULT_PLAN.placement.loads_for("x") is None
+
+
+@pytest.mark.parametrize(
+    ("placement", "where", "what"),
+    [
+        ("  strategy: balanced\n", "placement", "needs the routing loads"),
+        ("  strategy: balanced\n  profile: missing.json\n", "placement.profile", "no such file"),
+        ("  strategy: balanced\n  profile: bad.json\n", "placement.profile", "cannot read it as JSON"),
+        ("  strategy: balanced\n  profile: plan.yaml\n", "placement.profile", "cannot read it as JSON"),
+        ("  strategy: balanced\n  profile: other.json\n", "placement.profile", "not a routing profile"),
+        ("  profile: good.json\n", "placement", "only used with strategy: balanced"),
+        ("  strategy: balanced\n  profile: good.json\n  loads: {a: [1]}\n", "placement.profile", "not both"),
+        ("  strategy: balanced\n  loads: {a: [1, -2]}\n", "placement.loads.a[1]", ">= 0"),
+        ("  strategy: balanced\n  loads: {a: []}\n", "placement", "is empty"),
+        ("  strategy: spread\n", "placement.strategy", "contiguous, balanced"),
+    ],
+)
+def test_placement_errors_name_the_field(tmp_path, placement: str, where: str, what: str) -> None:
+    _profile(tmp_path / "good.json", [1, 2])
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"layers": [{"path": 3}]}))
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(HEAD + "placement:\n" + placement)
+    with pytest.raises(PlanError) as info:
+        load_plan(plan_file)
+    problem = info.value.problems[0]
+    assert problem.path == where and what in problem.message, str(info.value)
+    assert problem.line is not None and problem.line >= 3

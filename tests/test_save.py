@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from hp_rewrite.launch import run_world
 from hp_rewrite.loading.tiny import make_tiny
+from hp_rewrite.match import find_blocks
 
 TOL = 1e-6  # safetensors-loaded storage may be unaligned: grouped GEMM then differs by ~1e-7
 
@@ -37,3 +39,19 @@ def test_save_at_ep2_loads_in_plain_transformers_and_at_ep4(model_type: str, tmp
         results = run_world(4, "tests.save_cases:load_and_compare",
                             {"model_dir": str(saved), "reference_dir": str(original), "gen_dir": str(tmp_path / "gen")})
         assert all(r["rel"] <= TOL for r in results), results
+
+
+def test_save_with_balanced_placement_restores_expert_order(tmp_path: Path) -> None:
+    """Experts spread over the ranks by the plan's placement are written back in expert order."""
+    original = make_tiny("qwen3_moe", tmp_path / "original")
+    plain = AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager")
+    loads = {s.path: [(e % 2) * 100 + e for e in range(s.num_experts)] for s in find_blocks(plain)}
+    plan = f"version: 1\nep_size: 2\nplacement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n"
+    saved = tmp_path / "saved"
+    payload = {"plan": plan, "model_dir": str(original), "out_dir": str(saved), "gen_dir": str(tmp_path / "gen")}
+    ranks = run_world(2, "tests.save_cases:load_and_save", payload)
+    experts = ranks[0]["local_experts"][0]
+    assert experts != list(range(len(experts))), "the placement kept consecutive experts: nothing tested"
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager")
+    for (name, a), (_, b) in zip(plain.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

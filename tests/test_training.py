@@ -13,22 +13,25 @@ from hp_rewrite.launch import run_world
 from hp_rewrite.loading.tiny import make_tiny
 from tests.training_cases import TOL
 
-CASES = [  # (world, ep_size, model_type, aux)
-    (2, 2, "qwen3_moe", False),
-    (2, 2, "mixtral", True),
-    (4, 2, "qwen2_moe", False),  # EP=2 x data parallel 2
-    (4, 4, "deepseek_v3", False),
+CASES = [  # (world, ep_size, model_type, aux, balanced placement)
+    (2, 2, "qwen3_moe", False, False),
+    (2, 2, "mixtral", True, False),
+    (4, 2, "qwen2_moe", False, False),  # EP=2 x data parallel 2
+    (4, 2, "qwen2_moe", False, True),  # the same with the experts spread by the plan's placement
+    (4, 4, "deepseek_v3", False, False),
 ]
 
 
-@pytest.mark.parametrize(("world", "ep_size", "model_type", "aux"), CASES,
-                         ids=[f"world{w}-ep{e}-{m}" for w, e, m, _ in CASES])
-def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, tmp_path: Path) -> None:
-    payload = {"ep_size": ep_size, "model_type": model_type, "aux": aux, "out_dir": str(tmp_path)}
+@pytest.mark.parametrize(("world", "ep_size", "model_type", "aux", "balanced"), CASES,
+                         ids=[f"world{w}-ep{e}-{m}" + ("-balanced" if b else "") for w, e, m, _, b in CASES])
+def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, balanced, tmp_path: Path) -> None:
+    payload = {"ep_size": ep_size, "model_type": model_type, "aux": aux, "out_dir": str(tmp_path),
+               "balanced": balanced}
     for rank, r in enumerate(run_world(world, "tests.training_cases:training_step", payload)):
         assert r["grad_worst"] <= TOL, f"rank {rank}: gradient of {r['grad_worst_name']} off by {r['grad_worst']:.2e}"
         assert r["worst"] <= TOL, f"rank {rank}: {r['worst_name']} differs by {r['worst']:.2e} after one step"
         assert all(n * ep_size == r["local_experts"][0] * ep_size for n in r["local_experts"])
+        assert set(r["contiguous"]) == {not balanced}
         if aux:
             assert r["aux_rel"] <= TOL, r
 

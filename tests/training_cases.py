@@ -4,6 +4,7 @@ concatenated batch (run on every rank of a real gloo world)."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
+from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import expert_parameters
 
@@ -31,8 +33,12 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def training_step(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
-    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
     ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
+    text = f"version: 1\nep_size: {payload['ep_size']}\n"
+    if payload.get("balanced"):  # experts spread over the ranks by a made-up skewed load
+        loads = {s.path: [(e % 3) * 50 + e for e in range(s.num_experts)] for s in find_blocks(ref)}
+        text += f"placement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n"
+    plan = parse_plan(text)
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
     per_rank, seq = 2, 8
     gen = torch.Generator().manual_seed(5)
@@ -48,8 +54,10 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
     _lm_loss(ref_out.logits, ids).backward()
     out = model(input_ids=ids[mine], **kwargs)
     _lm_loss(out.logits, ids[mine]).backward()
-    result = {"local_experts": [m.hp_expert_parallel.placement.num_local for m in model.modules()
-                                if getattr(m, "hp_expert_parallel", None) is not None]}
+    placements = [m.hp_expert_parallel.placement for m in model.modules()
+                  if getattr(m, "hp_expert_parallel", None) is not None]
+    result = {"local_experts": [p.num_local for p in placements],
+              "contiguous": [p.is_contiguous for p in placements]}
     if payload.get("aux"):
         # the aux loss of this rank's batch equals the unmodified model's aux loss on the same batch
         same_batch = copy.deepcopy(ref)(input_ids=ids[mine], **kwargs)
@@ -76,7 +84,7 @@ def _worst(model, ref, get, floor_of=None) -> tuple[float, str]:
         value, target = get(p), get(ref_params[name])
         if id(p) in experts:
             owner = model.get_submodule(name.rsplit(".", 1)[0])
-            target = target[owner.hp_expert_parallel.placement.local_slice]
+            target = target[owner.hp_expert_parallel.placement.local_index]
         err = ((value - target).abs().max() / max(target.abs().max().item(), floor)).item()
         if err > worst:
             worst, worst_name = err, name

@@ -11,6 +11,11 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
                          gradients, which hp-rewrite leaves to the user (DDP would do it), so that the step does
                          the same work as (b), whose FSDP reduce-scatters every gradient inside ``backward``.
   a2. ``hp-ep2-chunksN`` the same with ``runtime: {chunks: N}`` (``--hp-chunks``).
+  a3. ``hp-ep2-balanced`` the same with ``placement: {strategy: balanced, profile: ...}``: before the ranks start,
+                         ``hp-rewrite profile``'s recorder counts the tokens per expert of the seeded model on a
+                         *calibration* batch (as many sequences as the benchmark's global batch, token ids drawn
+                         with another seed, so it never sees the timed tokens), and each layer's experts are spread
+                         over the ranks to even out that load (``--no-balanced``: skip).
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights
@@ -72,6 +77,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 HP = "hp-ep2"
+BALANCED = "hp-ep2-balanced"
 NATIVE = "native-ep2"
 UNMOD2 = "unmodified-b2"
 REFERENCE = "unmodified-b4"
@@ -96,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation (all variants)")
     p.add_argument("--hp-chunks", type=int, nargs="*", default=[2],
                    help="extra hp-rewrite variants with runtime.chunks = N (none: --hp-chunks with no value)")
+    p.add_argument("--no-balanced", dest="balanced", action="store_false",
+                   help="skip the hp-rewrite variant with a profile-balanced expert placement")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per variant (the first is checked)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -314,16 +322,17 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
     return g.full_tensor() if hasattr(g, "full_tensor") else g  # collective for DTensors: same order on all ranks
 
 
-def grad_errors(variant: Variant, ref_grads: dict[str, torch.Tensor], scale: float, expert_slice: slice | None,
-                expert_names: set[str], probe: str) -> dict:
+def grad_errors(variant: Variant, ref_grads: dict[str, torch.Tensor], scale: float, expert_names: set[str],
+                probe: str) -> dict:
     """Per-parameter max rel error vs the reference gradients (floor: 1e-3 x the largest reference grad)."""
     floor = 1e-3 * max(g.abs().max().item() for g in ref_grads.values())
     errs = {}
     for name, p in variant.model.named_parameters():
         g = full_grad(p)
         ref = ref_grads[name]
-        if name in expert_names and expert_slice is not None:
-            ref = ref[expert_slice]
+        if name in expert_names:  # this rank's experts of that layer (the placement may differ per layer)
+            owner = variant.model.get_submodule(name.rsplit(".", 1)[0])
+            ref = ref[owner.hp_expert_parallel.placement.local_index]
         errs[name] = max_rel(torch.zeros_like(ref) if g is None else g * scale, ref, floor)
     worst = max(errs, key=errs.get)
     experts = [e for n, e in errs.items() if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n]
@@ -362,6 +371,9 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     plans = {HP: f"version: 1\nep_size: {EP_SIZE}\n"}
     for c in payload["hp_chunks"]:
         plans[f"{HP}-chunks{c}"] = f"version: 1\nep_size: {EP_SIZE}\nruntime:\n  chunks: {c}\n"
+    if payload["profile_path"]:
+        plans[BALANCED] = (f"version: 1\nep_size: {EP_SIZE}\nplacement:\n  strategy: balanced\n"
+                           f"  profile: {json.dumps(payload['profile_path'])}\n")
     for name, text in plans.items():
         v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom)
         variants.append(v)
@@ -402,7 +414,15 @@ def worker(rank: int, world: int, payload: dict) -> dict:
 
     per_rank = sizes["experts"] // EP_SIZE
     load = {n: torch.bincount(idx.reshape(-1) // per_rank, minlength=EP_SIZE).tolist() for n, idx in routed.items()}
+    balanced = next((v for v in variants if v.name == BALANCED), None)
+    load_balanced = {}
+    if balanced is not None:  # the same routed rows, grouped by the balanced placement's owner ranks
+        for n, idx in routed.items():
+            placement = balanced.model.get_submodule(n.removesuffix(".gate") + ".experts").hp_expert_parallel.placement
+            owner = torch.tensor(placement.slot_of_expert) // placement.num_local
+            load_balanced[n] = torch.bincount(owner[idx.reshape(-1)], minlength=EP_SIZE).tolist()
     result = {"rank": rank, "times": times, "memory": memory, "info": info, "agreement": agreement, "ep_load": load,
+              "ep_load_balanced": load_balanced,
               "errors": errors, "base_rss_mb": base_rss_mb, "memory_method": mem.method,
               "process_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if payload["profile"]:
@@ -421,14 +441,10 @@ def check(variants: list[Variant], ref: Variant, mine: slice) -> dict:
         if v is ref:
             continue
         entry = {"logits_max_rel": max_rel(v.logits, ref_logits)}
-        binding = None
-        for m in v.model.modules():
-            binding = binding or getattr(m, "hp_expert_parallel", None)
         if v.name.startswith(HP):
-            entry["grads"] = grad_errors(v, ref_grads, 1.0, binding.placement.local_slice,
-                                         expert_param_names(v.model), probe)
+            entry["grads"] = grad_errors(v, ref_grads, 1.0, expert_param_names(v.model), probe)
         elif v.name == NATIVE:  # FSDP2 averages over its 2 ranks: x2 gives the sum
-            entry["grads"] = grad_errors(v, ref_grads, float(WORLD), None, set(), probe)
+            entry["grads"] = grad_errors(v, ref_grads, float(WORLD), set(), probe)
         out[v.name] = entry
     return out
 
@@ -588,6 +604,17 @@ def print_table(results: dict, a: argparse.Namespace, threads: int) -> None:
     console.print(table)
 
 
+def calibration_profile(model, sizes: dict, seed: int, tmp: Path) -> str:
+    """Tokens per expert of every layer on a calibration batch the timed steps never see (another seed)."""
+    from hp_rewrite.cost.profile import record_routing
+
+    gen = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, sizes["vocab"], (WORLD * sizes["batch"], sizes["seq"]), generator=gen)
+    path = tmp / "calibration-profile.json"
+    path.write_text(json.dumps(record_routing(model.eval(), [ids]).as_dict(EP_SIZE), indent=2))
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if str(REPO) not in sys.path:
@@ -604,8 +631,12 @@ def main(argv: list[str] | None = None) -> None:
     quiet()
     with tempfile.TemporaryDirectory(prefix="bench_e2e-") as tmp:
         ckpt = Path(tmp) / "ckpt"
-        build_model(sizes, a.seed, a.attn).save_pretrained(ckpt)  # native EP loads this, once
+        model = build_model(sizes, a.seed, a.attn)
+        model.save_pretrained(ckpt)  # native EP loads this, once
+        profile_path = calibration_profile(model, sizes, a.seed, Path(tmp)) if a.balanced else None
+        del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
+                   "profile_path": profile_path,
                    "hp_chunks": a.hp_chunks, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
@@ -631,11 +662,12 @@ def main(argv: list[str] | None = None) -> None:
             if name.startswith(HP) and "time_per_token_vs_native_excl_grad_sync" in r:
                 print(f"{name}: without its gradient all-reduce {r['median_step_excl_grad_sync_s']:.3f} s, "
                       f"{r['time_per_token_vs_native_excl_grad_sync']:.2f}x native EP")
-    load = ranks[0]["ep_load"]
-    if load:
-        print("rows per EP rank's experts (both ranks' tokens), per MoE layer: " + ", ".join(
-            f"{n.split('.mlp')[0].split('.')[-1]}: {rows} ({max(rows) / (sum(rows) / len(rows)):.2f}x mean)"
-            for n, rows in load.items()))
+    load, load_balanced = ranks[0]["ep_load"], ranks[0]["ep_load_balanced"]
+    for what, rows_by_layer in (("", load), (" with the balanced placement", load_balanced)):
+        if rows_by_layer:
+            print(f"rows per EP rank's experts (both ranks' tokens){what}, per MoE layer: " + ", ".join(
+                f"{n.split('.mlp')[0].split('.')[-1]}: {rows} ({max(rows) / (sum(rows) / len(rows)):.2f}x mean)"
+                for n, rows in rows_by_layer.items()))
     if a.profile:
         for name, prof in ranks[0]["profile"].items():
             print(f"\nprofile rank 0: {name} (self CPU time per step, mean of {prof['steps']} profiled steps, "
@@ -652,6 +684,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_count": os.cpu_count(), "load_average_1_5_15min": os.getloadavg(), "wall_s": wall,
         "reference": REFERENCE, "memory_method": ranks[0]["memory_method"], "results": results,
         "variant_info": ranks[0]["info"], "errors": ranks[0]["errors"], "ep_rows_per_rank_per_layer": load,
+        "ep_rows_per_rank_per_layer_balanced": load_balanced,
         "ranks": [{k: r[k] for k in ("rank", "times", "memory", "agreement", "base_rss_mb", "process_maxrss_mb")}
                   for r in ranks],
     }

@@ -244,4 +244,8 @@ def profile(
     js, png = write_profile(prof, ep, Path(out or "hp-rewrite-profile"))
     console.print(profile_table(prof, ep))
     console.print(f"wrote {js} and {png}")
+    console.print(
+        f"to place experts by this load, add to the plan:  placement: {{strategy: balanced, profile: {js.resolve()}}}",
+        highlight=False,
+    )
     return 0

@@ -81,16 +81,32 @@ class Precision:
 
 @dataclass(frozen=True)
 class Knobs:
-    """Runtime knobs that change the cost (from the plan's ``runtime:`` section)."""
+    """Runtime knobs that change the cost (from the plan's ``runtime:`` and ``placement:`` sections).
+
+    placement_loads: per MoE block path, the loads a balanced placement spreads (None: contiguous).
+    """
 
     chunks: int = 1
     overlap: bool = True
     capacity_factor: float | None = None
+    placement_loads: dict | None = None
 
     @classmethod
     def from_plan(cls, plan) -> Knobs:
         rt = plan.runtime
-        return cls(chunks=rt.chunks, overlap=rt.overlap, capacity_factor=rt.capacity_factor)
+        balanced = plan.placement.strategy == "balanced"
+        return cls(chunks=rt.chunks, overlap=rt.overlap, capacity_factor=rt.capacity_factor,
+                   placement_loads=dict(plan.placement.loads) if balanced else None)
+
+    def owners(self, path: str, num_experts: int, ep: int) -> tuple[tuple[int, ...], ...] | None:
+        """Each EP rank's experts of the block at ``path`` (None: consecutive blocks of experts)."""
+        loads = (self.placement_loads or {}).get(path)
+        if loads is None or len(loads) != num_experts or num_experts % ep:
+            return None
+        from ..runtime.groups import ExpertPlacement
+
+        placement = ExpertPlacement.balanced(loads, ep, 0)
+        return tuple(placement.experts_of(r) for r in range(ep))
 
 
 @dataclass(frozen=True)
@@ -219,6 +235,8 @@ class ModelCost:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        loads = d["knobs"].pop("placement_loads")  # the loads are the plan's; say which placement ran
+        d["knobs"]["placement"] = "contiguous" if loads is None else "balanced"
         d["totals"] = {
             "forward_flops": self.forward_flops,
             "backward_flops": self.backward_flops,
@@ -279,7 +297,8 @@ def layer_cost(
     prec = prec or Precision()
     knobs = knobs or Knobs()
     tokens, k, ep = work.tokens(par.cp), lay.top_k, par.ep
-    loads = rank_loads(histogram, lay.num_experts, ep, tokens, k, knobs.capacity_factor)
+    loads = rank_loads(histogram, lay.num_experts, ep, tokens, k, knobs.capacity_factor,
+                       knobs.owners(lay.path, lay.num_experts, ep))
     r = loads.busiest_rank if rank is None else rank
     if not 0 <= r < ep:
         raise ValueError(f"rank {r} outside the EP group of {ep}")

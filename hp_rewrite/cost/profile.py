@@ -36,6 +36,13 @@ class LayerProfile:
             rank_loads_from_counts(tuple(float(c) for c in self.tokens_per_expert), ep), "histogram"
         )
 
+    def balanced_loads(self, ep: int) -> RankLoads:
+        """Rank loads under the plan's ``placement: {strategy: balanced}`` built from this profile."""
+        from ..runtime.groups import ExpertPlacement
+
+        placement = ExpertPlacement.balanced(self.tokens_per_expert, ep, 0)
+        return RankLoads(tuple(placement.rank_loads(self.tokens_per_expert)), "histogram")
+
 
 @dataclass(frozen=True)
 class RoutingProfile:
@@ -56,6 +63,7 @@ class RoutingProfile:
                     "rank_loads": list(loads.rows),
                     "busiest_rank": loads.busiest_rank,
                     "imbalance": loads.imbalance,
+                    "balanced_imbalance": lay.balanced_loads(ep).imbalance,
                 }
             )
         imb = [x["imbalance"] for x in layers]
@@ -66,6 +74,9 @@ class RoutingProfile:
             "ep": ep,
             "layers": layers,
             "mean_imbalance": sum(imb) / len(imb) if imb else 1.0,
+            "mean_balanced_imbalance": (
+                sum(x["balanced_imbalance"] for x in layers) / len(layers) if layers else 1.0
+            ),
             "max_imbalance": max(imb, default=1.0),
         }
 

@@ -182,7 +182,9 @@ def profile_table(profile: RoutingProfile, ep: int) -> Table:
         title=f"{profile.model_type}: routing of {profile.num_tokens} tokens (top-k {profile.top_k}), "
         f"grouped for ep={ep}"
     )
-    for col in ("layer", "path", "min/max tokens per expert", "rank loads", "busiest rank", "imbalance"):
+    columns = ("layer", "path", "min/max tokens per expert", "rank loads", "busiest rank", "imbalance",
+               "imbalance if balanced")
+    for col in columns:
         table.add_column(col, justify="right")
     for lay in profile.layers:
         loads = lay.loads(ep)
@@ -194,5 +196,6 @@ def profile_table(profile: RoutingProfile, ep: int) -> Table:
             " ".join(f"{x:g}" for x in loads.rows),
             str(loads.busiest_rank),
             f"{loads.imbalance:.3f}",
+            f"{lay.balanced_loads(ep).imbalance:.3f}",
         )
     return table

@@ -4,8 +4,8 @@ A histogram is *global* for the EP group: per expert, the routed slots of all ``
 micro-batches together (what the sum over ranks of ``DispatchStats.tokens_per_expert`` gives, or
 what ``hp-rewrite profile`` records). Its shape is what matters: it is rescaled to the workload's
 total ``ep * tokens * top_k`` slots, so a profile taken on 2 x 64 tokens applies to 8 x 4096. Rank
-``r`` owns experts ``[r * E/ep, (r + 1) * E/ep)`` (the runtime's placement) and receives the sum
-of their counts.
+``r`` owns experts ``[r * E/ep, (r + 1) * E/ep)`` (the runtime's default placement), or the experts a
+plan's balanced placement gives it, and receives the sum of their counts.
 
 The seed's fallbacks to balanced routing are kept: no histogram, a histogram shorter than the
 number of experts, ``E % ep != 0``; and one added: a histogram with no slots at all.
@@ -98,13 +98,24 @@ def rank_loads_from_counts(counts: tuple[float, ...], ep: int) -> tuple[float, .
 
 
 def rank_loads(
-    histogram, num_experts: int, ep: int, tokens: float, top_k: int, capacity_factor: float | None = None
+    histogram,
+    num_experts: int,
+    ep: int,
+    tokens: float,
+    top_k: int,
+    capacity_factor: float | None = None,
+    owners: tuple[tuple[int, ...], ...] | None = None,
 ) -> RankLoads:
-    """Rows per EP rank for one layer, balanced when the histogram cannot be used."""
+    """Rows per EP rank for one layer, balanced when the histogram cannot be used.
+
+    ``owners``: each rank's experts under the plan's placement (None: consecutive blocks).
+    """
     counts, why = expert_counts(histogram, num_experts, ep, tokens, top_k)
     counts = apply_capacity(counts, ep, tokens, top_k, capacity_factor)
     if why:
         return RankLoads(tuple([sum(counts) / ep] * ep), "balanced", why)
+    if owners is not None:
+        return RankLoads(tuple(sum(counts[e] for e in mine) for mine in owners), "histogram")
     return RankLoads(rank_loads_from_counts(counts, ep), "histogram")
 
 

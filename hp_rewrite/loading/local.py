@@ -126,14 +126,20 @@ class _Reader:
         self.bytes_read += elements * _ITEMSIZE.get(info.dtype, 0)
         self.files_read.add(info.file.name)
 
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """A fresh tensor (checkpoint dtype) holding ``tensor[rows[0]:rows[1]]`` or the whole tensor."""
+    def read(self, key: str, rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """A fresh tensor (checkpoint dtype) holding the row ranges ``rows`` (dim 0, concatenated) or all."""
         info = self.infos[key]
         shape = list(info.shape)
         if rows is not None:
-            shape[0] = rows[1] - rows[0]
+            shape[0] = sum(b - a for a, b in rows)
         out = torch.empty(shape, dtype=_torch_dtype(info.dtype))
-        self.copy_into(key, out, *(rows or (0, None)))
+        if rows is None:
+            self.copy_into(key, out)
+            return out
+        at = 0
+        for a, b in rows:
+            self.copy_into(key, out[at : at + b - a], a, b)
+            at += b - a
         return out
 
 
@@ -172,15 +178,25 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class _ExpertSlice:
-    """An expert parameter of an installed holder: rows ``[first, first + count)`` of ``num_experts``."""
+    """An expert parameter of an installed holder: this rank's experts (global ids, ascending) of ``num_experts``."""
 
-    first: int
-    count: int
+    experts: tuple[int, ...]
     num_experts: int
 
     @property
-    def rows(self) -> tuple[int, int]:
-        return self.first, self.first + self.count
+    def count(self) -> int:
+        return len(self.experts)
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        """The local experts as ranges ``[a, b)`` of consecutive global rows, in local row order."""
+        ranges: list[tuple[int, int]] = []
+        for e in self.experts:
+            if ranges and ranges[-1][1] == e:
+                ranges[-1] = (ranges[-1][0], e + 1)
+            else:
+                ranges.append((e, e + 1))
+        return ranges
 
 
 @dataclass
@@ -203,7 +219,7 @@ def _expert_slices(model: nn.Module) -> dict[str, _ExpertSlice]:
         placement = binding.placement
         for name in module.hp_layout.weight_names:
             full = f"{path}.{name}" if path else name
-            out[full] = _ExpertSlice(placement.first_local, placement.num_local, placement.num_experts)
+            out[full] = _ExpertSlice(placement.local_experts, placement.num_experts)
     return out
 
 
@@ -335,8 +351,11 @@ class _Filler:
             raise CheckpointKeyError(
                 f"checkpoint tensor {key} {shape} should hold {sl.num_experts} experts in dim 0 for {name}"
             )
-        self._check(name, (sl.count, *shape[1:]), f"rows {sl.first}:{sl.first + sl.count} of {key}")
-        self.reader.copy_into(key, out, *sl.rows)
+        self._check(name, (sl.count, *shape[1:]), f"experts {_ranges(list(sl.experts))} of {key}")
+        at = 0
+        for a, b in sl.rows:
+            self.reader.copy_into(key, out[at : at + b - a], a, b)
+            at += b - a
         return out
 
     def _local(self, unit: _Unit, name: str) -> dict[str, list[tuple[int, str]]]:
@@ -359,7 +378,7 @@ class _Filler:
                     + (f" unexpected {_ranges(extra)}" if extra else "")
                     + f" (expected 0..{len(expected) - 1})"
                 )
-            keep = range(*sl.rows) if sl else range(len(items))
+            keep = set(sl.experts) if sl else range(len(items))
             out[pattern] = sorted((i, k) for i, k in items if i in keep)
         return out
 
@@ -458,7 +477,7 @@ class _Filler:
         return out
 
 
-def _lazy(reader: _Reader, key: str, rows: tuple[int, int] | None) -> Callable[[], torch.Tensor]:
+def _lazy(reader: _Reader, key: str, rows: list[tuple[int, int]] | None) -> Callable[[], torch.Tensor]:
     return lambda: reader.read(key, rows)
 
 

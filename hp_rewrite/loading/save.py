@@ -36,7 +36,15 @@ def _gather_full(param: torch.Tensor, binding) -> torch.Tensor | None:
         return local.clone()
     parts = [torch.empty_like(local) for _ in range(ep.size)] if ep.rank == 0 else None
     dist.gather(local, parts, group_dst=0, group=ep.group)
-    return torch.cat(parts) if parts is not None else None
+    if parts is None:
+        return None
+    placement = binding.placement
+    if placement.is_contiguous:
+        return torch.cat(parts)
+    full = local.new_empty((placement.num_experts, *local.shape[1:]))
+    for r, part in enumerate(parts):  # rank r's rows are its experts, ascending (the plan's placement)
+        full[list(placement.experts_of(r))] = part
+    return full
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:

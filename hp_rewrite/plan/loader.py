@@ -9,6 +9,7 @@ along each error's location.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import typing
 from collections.abc import Iterator
@@ -34,20 +35,55 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise PlanError([Problem(source, None, "", "no such plan file")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError([Problem(source, None, "", f"cannot read the plan: {exc}")]) from None
-    return parse_plan(text, source=source)
+    return parse_plan(text, source=source, base_dir=os.path.dirname(source))
 
 
-def parse_plan(text: str, source: str = "<string>") -> Plan:
-    """Validate a plan given as YAML text; ``source`` names it in error messages."""
+def parse_plan(text: str, source: str = "<string>", base_dir: str | os.PathLike[str] | None = None) -> Plan:
+    """Validate a plan given as YAML text; ``source`` names it in error messages.
+
+    Relative file paths in the plan (``placement.profile``) are read from ``base_dir`` (default: the
+    working directory).
+    """
     node, data = _read_yaml(text, source)
     if not isinstance(data, dict):
         what = "empty" if data is None else f"a {_kind(data)}"
         why = f"the plan is {what}; it must be a mapping with version: and ep_size:"
         raise PlanError([Problem(source, _line(node) or 1, "", why)])
+    data = _with_profile_loads(data, node, source, base_dir)
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
         raise PlanError(_explain(exc, node, source)) from None
+
+
+def _with_profile_loads(data: dict, root: yaml.Node | None, source: str, base_dir) -> dict:
+    """Read ``placement.profile`` into ``placement.loads``, so the loads are validated and hashed with the plan."""
+    placement = data.get("placement")
+    if not isinstance(placement, dict) or not isinstance(placement.get("profile"), str):
+        return data  # nothing to read; wrong types are reported by the schema
+
+    def problem(message: str) -> PlanError:
+        line = _line(_find(root, ("placement", "profile"), want_key=False))
+        return PlanError([Problem(source, line, "placement.profile", message)])
+
+    if "loads" in placement:
+        raise problem("give either profile: or loads:, not both")
+    path = os.path.join(base_dir or os.curdir, placement["profile"])
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise problem(f"{path}: no such file; `hp-rewrite profile PLAN MODEL_DIR --out DIR` writes DIR/profile.json") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise problem(f"{path}: cannot read it as JSON: {exc}") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, list) or not all(
+        isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("tokens_per_expert"), list)
+        for x in layers
+    ):
+        raise problem(f"{path}: not a routing profile (`hp-rewrite profile` writes layers: [{{path, tokens_per_expert}}])")
+    loads = {x["path"]: x["tokens_per_expert"] for x in layers}
+    return {**data, "placement": {**placement, "loads": loads}}
 
 
 def _read_yaml(text: str, source: str) -> tuple[yaml.Node | None, Any]:

@@ -28,6 +28,7 @@ LevelKind = Literal["auto", "block", "experts"]
 ComputeKind = Literal["auto", "grouped", "eager"]
 DropPolicy = Literal["probs", "position"]
 RouterDtype = Literal["auto", "fp32", "logits"]
+PlacementStrategy = Literal["contiguous", "balanced"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,42 @@ class RuntimeSection(_Section):
         )
 
 
+class PlacementSection(_Section):
+    """Which EP rank holds which experts.
+
+    ``contiguous``: rank r holds the r-th block of ``E / ep_size`` consecutive experts. ``balanced``: per
+    MoE block, the experts are spread so every rank receives about the same routed load, measured on
+    real data (a rank with popular experts makes the others wait in every all-to-all). The loads
+    come from ``profile``, the JSON ``hp-rewrite profile`` writes (a path relative to the plan file),
+    or are written inline as ``loads: {block path: [tokens per expert]}``; either way the loads
+    themselves are part of the plan and of its hash. Placement never changes results, only speed.
+    """
+
+    strategy: PlacementStrategy = "contiguous"
+    profile: str | None = None
+    loads: dict[str, list[Annotated[int, Field(ge=0)]]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlacementSection:
+        if self.strategy == "contiguous" and (self.profile is not None or self.loads):
+            raise ValueError("profile and loads are only used with strategy: balanced")
+        if self.strategy == "balanced" and not self.loads:
+            raise ValueError(
+                "strategy: balanced needs the routing loads: set profile: to the JSON file "
+                "`hp-rewrite profile` writes, or write loads: {block path: [tokens per expert]}"
+            )
+        for path, counts in self.loads.items():
+            if not counts:
+                raise ValueError(f"loads[{path!r}] is empty; give one count per expert")
+        return self
+
+    def loads_for(self, path: str) -> list[int] | None:
+        """Per-expert loads of the block at ``path`` (None when the placement is contiguous)."""
+        if self.strategy == "contiguous":
+            return None
+        return self.loads.get(path)
+
+
 class OutputSection(_Section):
     """Where generated code goes; None defers to the CLI's ``--out`` or its default."""
 
@@ -150,7 +187,7 @@ def _check_module_name(name: str) -> str:
 
 
 ModuleName = Annotated[str, AfterValidator(_check_module_name)]
-_SECTIONS = ("modules", "archetype", "runtime", "output", "extensions")
+_SECTIONS = ("modules", "archetype", "runtime", "placement", "output", "extensions")
 
 
 class Plan(_Section):
@@ -161,6 +198,7 @@ class Plan(_Section):
     modules: ModulesSection = Field(default_factory=ModulesSection)
     archetype: ArchetypeSection = Field(default_factory=ArchetypeSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
     output: OutputSection = Field(default_factory=OutputSection)
     # Dotted module names the rewriter imports so they can register archetypes. Only validated
     # here: the plan layer never imports anything.

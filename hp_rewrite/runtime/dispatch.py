@@ -3,8 +3,9 @@
 Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``E`` experts):
 
 1. capacity (optional): drop slots beyond each expert's capacity (same on every path);
-2. per chunk: sort the ``T*K`` routed slots by expert id. Experts are owned by consecutive ranks, so this
-   is also the order by (destination rank, expert);
+2. per chunk: sort the ``T*K`` routed slots by the placement slot of their expert (owner rank, then
+   local row; with the default placement the slot is the expert id), so rows are in (destination
+   rank, expert) order;
 3. count exchange: every rank learns how many rows each source sends to each of its experts, for all
    chunks at once; one host sync per layer reads all split sizes;
 4. token exchange (async when ``overlap``): rows travel to the ranks that own their experts;
@@ -79,6 +80,7 @@ class RoutedDispatch:
     weights: torch.Tensor
     chunks: list[_Chunk]
     stats: DispatchStats
+    placement: ExpertPlacement
     done: bool = field(default=False)
 
 
@@ -112,9 +114,18 @@ def dispatch(
     num_experts: int,
     ep: ExpertParallelGroup,
     options: RuntimeOptions,
+    placement: ExpertPlacement | None = None,
 ) -> RoutedDispatch:
-    """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids)."""
-    placement = ExpertPlacement(num_experts, ep.size, ep.rank)
+    """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids).
+
+    ``placement`` (default: consecutive experts per rank) must be the one the experts were sharded with.
+    """
+    placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
+    if (placement.num_experts, placement.ep_size) != (num_experts, ep.size):
+        raise ValueError(
+            f"placement of {placement.num_experts} experts over {placement.ep_size} ranks used for "
+            f"num_experts={num_experts} at ep_size={ep.size}"
+        )
     n_local = placement.num_local
     hidden = hidden.reshape(-1, hidden.shape[-1])
     num_tokens, top_k = indices.shape
@@ -132,10 +143,15 @@ def dispatch(
     else:
         dropped = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
 
+    slot_of = None
+    if not placement.is_contiguous:  # sort by owner slot instead of expert id
+        slot_of = torch.tensor(placement.slot_of_expert, dtype=torch.int64, device=indices.device)
+    # capacity marks dropped slots with the id num_experts, which sorts last: keep it there
+    slots = indices if slot_of is None else torch.cat([slot_of, slot_of.new_tensor([num_experts])])[indices]
     bounds = _chunk_bounds(num_tokens, options.chunks)
     orders, counts = [], []
     for b in bounds:
-        flat = indices[b].reshape(-1)
+        flat = slots[b].reshape(-1)
         orders.append(torch.sort(flat, stable=True).indices)
         counts.append(count_per_expert(flat, num_experts))
     counts_all = torch.stack(counts)  # [chunks, E]
@@ -148,7 +164,8 @@ def dispatch(
     recv_host = host[n_chunks * ep.size :]
 
     row_bytes = hidden.shape[-1] * hidden.element_size()
-    stats = DispatchStats(counts_all.sum(0), dropped)
+    per_slot = counts_all.sum(0)
+    stats = DispatchStats(per_slot if slot_of is None else per_slot.index_select(0, slot_of), dropped)
     chunks = []
     for c, b in enumerate(bounds):
         send_splits = send_host[c * ep.size : (c + 1) * ep.size]
@@ -169,7 +186,9 @@ def dispatch(
         chunks.append(chunk)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
-    return RoutedDispatch(ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats)
+    return RoutedDispatch(
+        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement
+    )
 
 
 def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
@@ -185,6 +204,14 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     """
     if state.done:
         raise RuntimeError("experts_and_combine called twice on the same dispatch state")
+    binding = getattr(experts, "hp_expert_parallel", None)
+    if binding is not None and binding.placement != state.placement:
+        # rows were sent to the ranks of another placement: they would meet the wrong experts
+        raise ValueError(
+            f"{type(experts).__name__} holds the experts {list(binding.placement.local_experts)}, but the "
+            f"dispatch sent this rank the rows of {list(state.placement.local_experts)}: pass "
+            "placement=experts.hp_expert_parallel.placement to dispatch"
+        )
     state.done = True
     experts.hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     ep, opts = state.ep, state.options
@@ -228,7 +255,8 @@ def moe_forward(
     num_experts: int,
     ep: ExpertParallelGroup,
     options: RuntimeOptions,
+    placement: ExpertPlacement | None = None,
 ) -> torch.Tensor:
     """One call: dispatch, local experts, combine. Same numerics as the two-phase API."""
-    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options)
+    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options, placement=placement)
     return experts_and_combine(state, experts)

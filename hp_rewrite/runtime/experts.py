@@ -239,12 +239,12 @@ def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up
 
 
-def shard_experts(module: nn.Module, num_experts: int, first: int, count: int) -> None:
-    """Keep only experts ``[first, first + count)`` in the holder's per-expert parameters (dim 0 = expert).
+def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
+    """Keep only the experts ``keep`` (global ids, in local row order) in the holder's per-expert parameters.
 
-    Used when a full module was built (tests, EP=1 -> EP=n); the loader (issue: load-time integration)
-    reads only local experts instead.
+    Used when a full module was built (tests, EP=1 -> EP=n); the loader reads only local experts instead.
     """
+    keep = list(keep)
     layout = ExpertsLayout.of(module)
     for name in layout.weight_names:
         p = getattr(module, name)
@@ -252,10 +252,7 @@ def shard_experts(module: nn.Module, num_experts: int, first: int, count: int) -
             raise ExpertParallelError(
                 f"{type(module).__name__}.{name} has {p.shape[0]} rows in dim 0, expected num_experts={num_experts}"
             )
-        setattr(
-            module,
-            name,
-            nn.Parameter(p.detach()[first : first + count].clone(), requires_grad=p.requires_grad),
-        )
+        rows = p.detach()[keep[0] : keep[-1] + 1] if keep == list(range(keep[0], keep[-1] + 1)) else p.detach()[keep]
+        setattr(module, name, nn.Parameter(rows.clone(), requires_grad=p.requires_grad))
     if hasattr(module, "num_experts"):
-        module.num_experts = count
+        module.num_experts = len(keep)

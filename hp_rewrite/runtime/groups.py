@@ -1,7 +1,8 @@
 """Expert-parallel process groups and expert placement.
 
 The world is split into EP groups of ``ep_size`` consecutive ranks. Within an EP group each rank owns
-``num_experts / ep_size`` consecutive experts. Ranks with the same position in different EP groups hold
+``num_experts / ep_size`` experts (consecutive ones unless the plan balances them, see
+:class:`ExpertPlacement`). Ranks with the same position in different EP groups hold
 replicas of the same experts: that second dimension is data parallel for the experts (its size is
 ``world_size / ep_size``).
 """
@@ -89,11 +90,19 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None) ->
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Which experts live on which EP rank: rank r owns ``[r * local, (r + 1) * local)``."""
+    """Which experts live on which EP rank.
+
+    Slot ``s`` (rank ``s // num_local``, local row ``s % num_local``) holds expert ``order[s]``. With no
+    ``order`` rank r owns the consecutive experts ``[r * local, (r + 1) * local)``. A balanced ``order``
+    (:meth:`balanced`) spreads a measured routing load evenly: which rank computes an expert never
+    changes its result, only who waits for whom. Each rank's experts are kept ascending, so the local
+    rows keep checkpoint order.
+    """
 
     num_experts: int
     ep_size: int
     ep_rank: int
+    order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -108,15 +117,92 @@ class ExpertPlacement:
             )
         if not 0 <= self.ep_rank < self.ep_size:
             raise ExpertParallelError(f"ep_rank={self.ep_rank} outside [0, {self.ep_size})")
+        if self.order is not None:
+            if sorted(self.order) != list(range(self.num_experts)):
+                raise ExpertParallelError(
+                    f"expert order {list(self.order)} is not a permutation of 0..{self.num_experts - 1}"
+                )
+            if any(list(self.experts_of(r)) != sorted(self.experts_of(r)) for r in range(self.ep_size)):
+                raise ExpertParallelError(
+                    f"expert order {list(self.order)}: each rank's experts must be ascending"
+                )
+            if self.order == tuple(range(self.num_experts)):
+                object.__setattr__(self, "order", None)  # one spelling of the contiguous placement
+
+    @classmethod
+    def balanced(cls, loads, ep_size: int, ep_rank: int) -> ExpertPlacement:
+        """Spread experts so every rank gets ``E / ep_size`` of them and about the same total load.
+
+        Heaviest expert first to the least loaded rank with room, then swaps between the busiest rank
+        and another while they lower the busiest load. Ties go to lower ids, so every rank computes
+        the same placement from the same loads; when nothing beats the contiguous placement, it is kept.
+        """
+        loads = [float(x) for x in loads]
+        n = len(loads)
+        contiguous = cls(n, ep_size, ep_rank)  # the divisibility and rank checks, before any work
+        per = n // ep_size
+        owned: list[list[int]] = [[] for _ in range(ep_size)]
+        total = [0.0] * ep_size
+        for e in sorted(range(n), key=lambda e: (-loads[e], e)):
+            r = min((r for r in range(ep_size) if len(owned[r]) < per), key=lambda r: (total[r], r))
+            owned[r].append(e)
+            total[r] += loads[e]
+        for _ in range(n * n):  # each swap lowers the sorted loads, so this ends; the cap is a guard
+            b = max(range(ep_size), key=lambda r: (total[r], -r))
+            best = None
+            for r in range(ep_size):
+                for e in owned[b]:
+                    for f in owned[r]:
+                        d = loads[e] - loads[f]
+                        peak = max(total[b] - d, total[r] + d)
+                        if d > 0 and peak < total[b] and (best is None or peak < best[0]):
+                            best = (peak, r, e, f)
+            if best is None:
+                break
+            _, r, e, f = best
+            owned[b][owned[b].index(e)], owned[r][owned[r].index(f)] = f, e
+            d = loads[e] - loads[f]
+            total[b], total[r] = total[b] - d, total[r] + d
+        if max(total) >= max(contiguous.rank_loads(loads)):
+            return contiguous
+        return cls(n, ep_size, ep_rank, tuple(e for group in owned for e in sorted(group)))
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.order is None
 
     @property
     def num_local(self) -> int:
         return self.num_experts // self.ep_size
 
-    @property
-    def first_local(self) -> int:
-        return self.ep_rank * self.num_local
+    def experts_of(self, rank: int) -> tuple[int, ...]:
+        """The global ids of ``rank``'s experts, in local row order."""
+        start = rank * self.num_local
+        if self.order is None:
+            return tuple(range(start, start + self.num_local))
+        return self.order[start : start + self.num_local]
 
     @property
-    def local_slice(self) -> slice:
-        return slice(self.first_local, self.first_local + self.num_local)
+    def local_experts(self) -> tuple[int, ...]:
+        return self.experts_of(self.ep_rank)
+
+    @property
+    def slot_of_expert(self) -> tuple[int, ...]:
+        """Expert id -> slot (``rank * num_local + local row``): the dispatch sorts rows by slot."""
+        if self.order is None:
+            return tuple(range(self.num_experts))
+        slots = [0] * self.num_experts
+        for s, e in enumerate(self.order):
+            slots[e] = s
+        return tuple(slots)
+
+    @property
+    def local_index(self) -> slice | list[int]:
+        """Index this rank's rows out of a full ``[num_experts, ...]`` tensor."""
+        if self.order is None:
+            return slice(self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local)
+        return list(self.local_experts)
+
+    def rank_loads(self, loads) -> list[float]:
+        """Total load per rank under this placement, for per-expert ``loads``."""
+        return [sum(float(loads[e]) for e in self.experts_of(r)) for r in range(self.ep_size)]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .dispatch import dispatch, experts_and_combine
+from .errors import ExpertParallelError
 from .experts import ExpertsLayout, LocalBatch, local_experts_forward, shard_experts
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -51,6 +52,7 @@ def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_we
         num_experts=binding.num_experts,
         ep=binding.ep,
         options=binding.options,
+        placement=binding.placement,
     )
     return experts_and_combine(state, self, via_call=False)
 
@@ -62,15 +64,25 @@ def install_expert_parallel(
     ep: ExpertParallelGroup,
     options: RuntimeOptions | None = None,
     shard: bool = True,
+    placement: ExpertPlacement | None = None,
 ) -> nn.Module:
-    """Make ``experts`` expert-parallel. ``shard=False`` when it already holds only its local experts."""
+    """Make ``experts`` expert-parallel. ``shard=False`` when it already holds only its local experts.
+
+    ``placement`` says which experts this rank keeps (default: consecutive blocks of experts).
+    """
     options = options or RuntimeOptions()
-    placement = ExpertPlacement(num_experts, ep.size, ep.rank)
+    placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
+    if (placement.num_experts, placement.ep_size, placement.ep_rank) != (num_experts, ep.size, ep.rank):
+        raise ExpertParallelError(
+            f"{type(experts).__name__}: placement for {placement.num_experts} experts at EP rank "
+            f"{placement.ep_rank}/{placement.ep_size}, but the holder has {num_experts} experts at EP rank "
+            f"{ep.rank}/{ep.size}"
+        )
     layout = ExpertsLayout.of(experts)
     if getattr(experts, "hp_expert_parallel", None) is not None:
         raise RuntimeError(f"{type(experts).__name__} is already expert-parallel")
     if shard and ep.size > 1:
-        shard_experts(experts, num_experts, placement.first_local, placement.num_local)
+        shard_experts(experts, num_experts, placement.local_experts)
     experts.hp_layout = layout
     experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options)
     experts.hp_original_forward = experts.forward
