@@ -13,9 +13,11 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
   a2. ``hp-ep2-chunksN`` the same with ``runtime: {chunks: N}`` (``--hp-chunks``).
   a3. ``hp-ep2-balanced`` the same with ``placement: {strategy: balanced, profile: ...}``: before the ranks start,
                          ``hp-rewrite profile``'s recorder counts the tokens per expert of the seeded model on a
-                         *calibration* batch (as many sequences as the benchmark's global batch, token ids drawn
-                         with another seed, so it never sees the timed tokens), and each layer's experts are spread
-                         over the ranks to even out that load (``--no-balanced``: skip).
+                         *calibration* set (``--calibration-seqs`` sequences, 16 by default; token ids drawn with
+                         another seed, so it never sees the timed tokens), and each layer's experts are spread
+                         over the ranks to even out that load (``--no-balanced``: skip). This random-weight
+                         model routes very differently from one batch of 4 sequences to the next, so a static
+                         placement can only remove the part of the imbalance that the calibration set shares.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights
@@ -104,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra hp-rewrite variants with runtime.chunks = N (none: --hp-chunks with no value)")
     p.add_argument("--no-balanced", dest="balanced", action="store_false",
                    help="skip the hp-rewrite variant with a profile-balanced expert placement")
+    p.add_argument("--calibration-seqs", type=int, default=16,
+                   help="sequences of the calibration set the balanced placement is profiled on")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per variant (the first is checked)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -604,14 +608,14 @@ def print_table(results: dict, a: argparse.Namespace, threads: int) -> None:
     console.print(table)
 
 
-def calibration_profile(model, sizes: dict, seed: int, tmp: Path) -> str:
-    """Tokens per expert of every layer on a calibration batch the timed steps never see (another seed)."""
+def calibration_profile(model, sizes: dict, seed: int, seqs: int, tmp: Path) -> str:
+    """Tokens per expert of every layer on a calibration set the timed steps never see (another seed)."""
     from hp_rewrite.cost.profile import record_routing
 
     gen = torch.Generator().manual_seed(seed + 1000)
-    ids = torch.randint(0, sizes["vocab"], (WORLD * sizes["batch"], sizes["seq"]), generator=gen)
+    batches = [torch.randint(0, sizes["vocab"], (1, sizes["seq"]), generator=gen) for _ in range(seqs)]
     path = tmp / "calibration-profile.json"
-    path.write_text(json.dumps(record_routing(model.eval(), [ids]).as_dict(EP_SIZE), indent=2))
+    path.write_text(json.dumps(record_routing(model.eval(), batches).as_dict(EP_SIZE), indent=2))
     return str(path)
 
 
@@ -633,7 +637,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = Path(tmp) / "ckpt"
         model = build_model(sizes, a.seed, a.attn)
         model.save_pretrained(ckpt)  # native EP loads this, once
-        profile_path = calibration_profile(model, sizes, a.seed, Path(tmp)) if a.balanced else None
+        profile_path = calibration_profile(model, sizes, a.seed, a.calibration_seqs, Path(tmp)) if a.balanced else None
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path,
@@ -677,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": shlex.join(["python", *sys.argv]),
         "sizes": sizes, "config": model_config(sizes).to_dict(), "dtype": "float32", "device": "cpu",
         "backend": "gloo", "world": WORLD, "ep_size": EP_SIZE, "attn": a.attn, "iters": a.iters,
+        "calibration_seqs": a.calibration_seqs if a.balanced else None,
         "warmup": a.warmup, "seed": a.seed, "threads_per_rank": a.threads,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "accelerate": accelerate.__version__},

@@ -143,11 +143,8 @@ def dispatch(
     else:
         dropped = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
 
-    slot_of = None
-    if not placement.is_contiguous:  # sort by owner slot instead of expert id
-        slot_of = torch.tensor(placement.slot_of_expert, dtype=torch.int64, device=indices.device)
-    # capacity marks dropped slots with the id num_experts, which sorts last: keep it there
-    slots = indices if slot_of is None else torch.cat([slot_of, slot_of.new_tensor([num_experts])])[indices]
+    slot_of = None if placement.is_contiguous else placement.slot_table(indices.device)
+    slots = indices if slot_of is None else slot_of[indices]  # sort by owner slot, not expert id
     bounds = _chunk_bounds(num_tokens, options.chunks)
     orders, counts = [], []
     for b in bounds:
@@ -165,7 +162,7 @@ def dispatch(
 
     row_bytes = hidden.shape[-1] * hidden.element_size()
     per_slot = counts_all.sum(0)
-    stats = DispatchStats(per_slot if slot_of is None else per_slot.index_select(0, slot_of), dropped)
+    stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
     chunks = []
     for c, b in enumerate(bounds):
         send_splits = send_host[c * ep.size : (c + 1) * ep.size]

@@ -9,9 +9,10 @@ replicas of the same experts: that second dimension is data parallel for the exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .errors import ExpertParallelError
@@ -103,6 +104,7 @@ class ExpertPlacement:
     ep_size: int
     ep_rank: int
     order: tuple[int, ...] | None = None
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -195,6 +197,17 @@ class ExpertPlacement:
         for s, e in enumerate(self.order):
             slots[e] = s
         return tuple(slots)
+
+    def slot_table(self, device: torch.device) -> torch.Tensor:
+        """:attr:`slot_of_expert` on ``device``, plus ``num_experts -> num_experts`` (capacity's drop
+        marker, which must keep sorting last). Built once per device: a host-to-device copy in every
+        layer's dispatch would wait for the device."""
+        key = str(device)
+        if key not in self._tables:
+            self._tables[key] = torch.tensor(
+                (*self.slot_of_expert, self.num_experts), dtype=torch.int64, device=device
+            )
+        return self._tables[key]
 
     @property
     def local_index(self) -> slice | list[int]:
