@@ -1,7 +1,8 @@
 """hp-rewrite: expert-parallel rewriting of transformers Mixture-of-Experts models.
 
 ``hp_rewrite.auto_patch(plan)`` / ``hp_rewrite.from_pretrained(model_dir, plan=...)`` return
-rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract. The
+rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract after
+backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP). The
 routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
 """
 
@@ -13,6 +14,7 @@ _LAZY = {
     "AutoPatch": "hp_rewrite.loading.patch",
     "rewrite_model": "hp_rewrite.loading.patch",
     "sync_gradients": "hp_rewrite.training",
+    "gradient_sync": "hp_rewrite.training",
     "save_pretrained": "hp_rewrite.loading.save",
 }
 

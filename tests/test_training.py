@@ -102,3 +102,30 @@ def test_train_ep_example_under_torchrun(tiny_dir: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 1: loss" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize(("world", "ep_size"), [(2, 2), (4, 2)], ids=["ep2", "ep2xdp2"])
+def test_gradient_sync_during_backward_equals_after(world: int, ep_size: int, tmp_path: Path) -> None:
+    payload = {"model_type": "qwen2_moe", "ep_size": ep_size, "out_dir": str(tmp_path)}
+    for rank, r in enumerate(run_world(world, "tests.training_cases:overlapped_sync", payload)):
+        assert r["worst"] <= 1e-6, (rank, r)
+        # buckets started while backward was still running: the all-reduce overlapped it
+        assert r["buckets"] > 2 and all(0 < n <= r["buckets"] for n in r["overlapped"]), (rank, r)
+        assert "wait()" in r["refused"] and "no_sync" in r["refused"], (rank, r)
+
+
+def test_gradient_sync_single_process_and_errors(tiny_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    with pytest.raises(ValueError, match="not rewritten by hp-rewrite"):
+        hp_rewrite.gradient_sync(plain)
+    model = hp_rewrite.from_pretrained(tiny_dir, plan=Path(__file__).parent.parent / "plans" / "auto-ep2.yaml",
+                                       artifact_dir=tmp_path, attn_implementation="eager")
+    sync = hp_rewrite.gradient_sync(model)  # no world: nothing to reduce, gradients stay as they are
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    sync.wait()
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert not sync.enabled and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

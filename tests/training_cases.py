@@ -107,3 +107,47 @@ def auto_patch_world(rank: int, world: int, payload: dict) -> dict:
     local = [m.hp_expert_parallel.placement.num_local for m in model.modules()
              if getattr(m, "hp_expert_parallel", None) is not None]
     return {"err": err, "local": local, "after_patched": getattr(after, "hp_rewrite", None) is not None}
+
+
+def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
+    """GradientSync (during backward, small buckets) gives the gradients sync_gradients gives after it,
+    also over an accumulation of two micro-batches; a second backward without wait() is refused."""
+    from hp_rewrite.runtime import GradientSync
+
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    after = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    during = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    sync = GradientSync(during, during.hp_rewrite.ep, bucket_bytes=4096)
+    vocab = ref.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(10 + rank)
+    micro = [torch.randint(0, vocab, (2, 8), generator=gen) for _ in range(2)]
+
+    def loss(model, ids):
+        return _lm_loss(model(input_ids=ids).logits, ids)
+
+    worst, overlapped = 0.0, []
+    for steps in (micro[:1], micro):  # one backward, then an accumulation of two
+        for ids in steps:
+            loss(after, ids).backward()
+        sync_gradients(after)
+        for i, ids in enumerate(steps):
+            if i < len(steps) - 1:
+                with sync.no_sync():
+                    loss(during, ids).backward()
+            else:
+                loss(during, ids).backward()
+        sync.wait()
+        overlapped.append(sync.overlapped)
+        for a, b in zip(after.parameters(), during.parameters(), strict=True):
+            worst = max(worst, ((a.grad - b.grad).abs().max() / a.grad.abs().max().clamp_min(1e-12)).item())
+        after.zero_grad(set_to_none=True)
+        during.zero_grad(set_to_none=True)
+    refused = ""
+    try:
+        loss(during, micro[0]).backward()
+        loss(during, micro[1]).backward()
+    except RuntimeError as e:
+        refused = str(e)
+    return {"worst": worst, "overlapped": overlapped, "buckets": len(sync.buckets), "refused": refused}

@@ -8,8 +8,10 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
   a. ``hp-ep2``          hp-rewrite EP=2: the model built with a fixed seed (same weights on every rank),
                          ``analyze`` -> ``write`` -> ``install`` with plan ``version: 1 / ep_size: 2``; each rank
                          runs its own batch. The step ends with one all-reduce (sum) of the replicated (non-expert)
-                         gradients, which hp-rewrite leaves to the user (DDP would do it), so that the step does
-                         the same work as (b), whose FSDP reduce-scatters every gradient inside ``backward``.
+                         gradients (``sync_gradients``' way), so that the step does the same work as (b), whose
+                         FSDP reduce-scatters every gradient inside ``backward``.
+  a1. ``hp-ep2-overlap-sync`` the same, with the gradients synchronised during backward by ``GradientSync``
+                         (what ``hp_rewrite.gradient_sync(model)`` returns): 25 MB buckets, as DDP does.
   a2. ``hp-ep2-chunksN`` the same with ``runtime: {chunks: N}`` (``--hp-chunks``).
   a3. ``hp-ep2-balanced`` the same with ``placement: {strategy: balanced, profile: ...}``: before the ranks start,
                          ``hp-rewrite profile``'s recorder counts the tokens per expert of the seeded model on a
@@ -80,6 +82,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 HP = "hp-ep2"
 BALANCED = "hp-ep2-balanced"
+OVERLAP_SYNC = "hp-ep2-overlap-sync"
 NATIVE = "native-ep2"
 UNMOD2 = "unmodified-b2"
 REFERENCE = "unmodified-b4"
@@ -106,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra hp-rewrite variants with runtime.chunks = N (none: --hp-chunks with no value)")
     p.add_argument("--no-balanced", dest="balanced", action="store_false",
                    help="skip the hp-rewrite variant with a profile-balanced expert placement")
+    p.add_argument("--tokens", choices=("uniform", "zipf"), default="uniform",
+                   help="token ids of every batch: uniform over the vocabulary, or Zipf-distributed like text")
     p.add_argument("--calibration-seqs", type=int, default=16,
                    help="sequences of the calibration set the balanced placement is profiled on")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
@@ -239,9 +244,10 @@ class Variant:
     """One model and how to run a training step on it; ``step`` returns timings and keeps the last outputs."""
 
     def __init__(self, name: str, model, ids: torch.Tensor, labels: torch.Tensor, denom: int,
-                 grad_sync: list[torch.nn.Parameter] | None = None) -> None:
+                 grad_sync: list[torch.nn.Parameter] | None = None, overlapped_sync=None) -> None:
         self.name, self.model, self.ids, self.labels, self.denom = name, model, ids, labels, denom
         self.grad_sync = grad_sync
+        self.overlapped_sync = overlapped_sync  # hp_rewrite.gradient_sync: all-reduces during backward
         self.logits: torch.Tensor | None = None
 
     def step(self) -> dict:
@@ -253,6 +259,8 @@ class Variant:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        if self.overlapped_sync is not None:
+            self.overlapped_sync.wait()
         if self.grad_sync:
             grads = [p.grad for p in self.grad_sync]
             flat = torch.cat([g.reshape(-1) for g in grads])  # one bucket, one collective
@@ -269,7 +277,8 @@ class Variant:
                 "runqueue_s": runq}
 
 
-def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, denom) -> tuple[Variant, dict]:
+def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, denom,
+             overlap: bool = False) -> tuple[Variant, dict]:
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import analyze, install, write
     from hp_rewrite.runtime import build_expert_parallel_group
@@ -291,7 +300,14 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
                 plan.runtime.to_options().compute, torch.empty(1, w.shape[-1]), w),
             "archetype": analysis.matched[0].archetype.as_dict() if analysis.matched else None,
             "artifact": str(artifact.directory)}
-    return Variant(name, model, ids, labels, denom, grad_sync=replicated), info
+    if not overlap:  # the replicated gradients' all-reduce (sum) after backward, in one bucket
+        return Variant(name, model, ids, labels, denom, grad_sync=replicated), info
+    # hp_rewrite.gradient_sync: buckets all-reduced during backward. It averages over the world (the
+    # contract for a per-rank mean loss); this loss is already divided by both ranks' tokens, so its
+    # gradients are half the sum, and the checks scale them by the world size.
+    from hp_rewrite.runtime import GradientSync
+
+    return Variant(name, model, ids, labels, denom, overlapped_sync=GradientSync(model, ep)), info
 
 
 def build_native(ckpt: Path, attn: str, ids, labels, denom) -> tuple[Variant, dict]:
@@ -361,8 +377,8 @@ def worker(rank: int, world: int, payload: dict) -> dict:
 
     batch, seq, vocab = sizes["batch"], sizes["seq"], sizes["vocab"]
     gen = torch.Generator().manual_seed(seed + 1)
-    all_ids = torch.randint(0, vocab, (world * batch, seq), generator=gen)
-    all_labels = torch.randint(0, vocab, (world * batch, seq), generator=gen)
+    all_ids = token_ids(payload["tokens"], vocab, (world * batch, seq), gen)
+    all_labels = token_ids(payload["tokens"], vocab, (world * batch, seq), gen)
     mine = slice(rank * batch, (rank + 1) * batch)
     denom = world * batch * seq  # every rank's tokens: summed over ranks = the mean over the global batch
     ids, labels = all_ids[mine].contiguous(), all_labels[mine].contiguous()
@@ -375,11 +391,12 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     plans = {HP: f"version: 1\nep_size: {EP_SIZE}\n"}
     for c in payload["hp_chunks"]:
         plans[f"{HP}-chunks{c}"] = f"version: 1\nep_size: {EP_SIZE}\nruntime:\n  chunks: {c}\n"
+    plans[OVERLAP_SYNC] = plans[HP]
     if payload["profile_path"]:
         plans[BALANCED] = (f"version: 1\nep_size: {EP_SIZE}\nplacement:\n  strategy: balanced\n"
                            f"  profile: {json.dumps(payload['profile_path'])}\n")
     for name, text in plans.items():
-        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom)
+        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC)
         variants.append(v)
     try:
         v, info[NATIVE] = build_native(Path(payload["ckpt"]), attn, ids, labels, denom)
@@ -445,8 +462,9 @@ def check(variants: list[Variant], ref: Variant, mine: slice) -> dict:
         if v is ref:
             continue
         entry = {"logits_max_rel": max_rel(v.logits, ref_logits)}
-        if v.name.startswith(HP):
-            entry["grads"] = grad_errors(v, ref_grads, 1.0, expert_param_names(v.model), probe)
+        if v.name.startswith(HP):  # gradient_sync averages over the world: x2 gives the sum
+            scale = float(WORLD) if v.overlapped_sync is not None else 1.0
+            entry["grads"] = grad_errors(v, ref_grads, scale, expert_param_names(v.model), probe)
         elif v.name == NATIVE:  # FSDP2 averages over its 2 ranks: x2 gives the sum
             entry["grads"] = grad_errors(v, ref_grads, float(WORLD), set(), probe)
         out[v.name] = entry
@@ -608,12 +626,21 @@ def print_table(results: dict, a: argparse.Namespace, threads: int) -> None:
     console.print(table)
 
 
-def calibration_profile(model, sizes: dict, seed: int, seqs: int, tmp: Path) -> str:
+def token_ids(kind: str, vocab: int, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """Uniform ids, or ids with Zipf frequencies (p ~ 1/rank over a fixed shuffle of the vocabulary, as in text)."""
+    if kind == "uniform":
+        return torch.randint(0, vocab, shape, generator=gen)
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    shuffle = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))
+    return shuffle[torch.multinomial(weights, shape[0] * shape[1], replacement=True, generator=gen)].view(shape)
+
+
+def calibration_profile(model, sizes: dict, seed: int, seqs: int, tokens: str, tmp: Path) -> str:
     """Tokens per expert of every layer on a calibration set the timed steps never see (another seed)."""
     from hp_rewrite.cost.profile import record_routing
 
     gen = torch.Generator().manual_seed(seed + 1000)
-    batches = [torch.randint(0, sizes["vocab"], (1, sizes["seq"]), generator=gen) for _ in range(seqs)]
+    batches = [token_ids(tokens, sizes["vocab"], (1, sizes["seq"]), gen) for _ in range(seqs)]
     path = tmp / "calibration-profile.json"
     path.write_text(json.dumps(record_routing(model.eval(), batches).as_dict(EP_SIZE), indent=2))
     return str(path)
@@ -637,10 +664,11 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = Path(tmp) / "ckpt"
         model = build_model(sizes, a.seed, a.attn)
         model.save_pretrained(ckpt)  # native EP loads this, once
-        profile_path = calibration_profile(model, sizes, a.seed, a.calibration_seqs, Path(tmp)) if a.balanced else None
+        profile_path = (calibration_profile(model, sizes, a.seed, a.calibration_seqs, a.tokens, Path(tmp))
+                        if a.balanced else None)
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
-                   "profile_path": profile_path,
+                   "profile_path": profile_path, "tokens": a.tokens,
                    "hp_chunks": a.hp_chunks, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
@@ -681,7 +709,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": shlex.join(["python", *sys.argv]),
         "sizes": sizes, "config": model_config(sizes).to_dict(), "dtype": "float32", "device": "cpu",
         "backend": "gloo", "world": WORLD, "ep_size": EP_SIZE, "attn": a.attn, "iters": a.iters,
-        "calibration_seqs": a.calibration_seqs if a.balanced else None,
+        "calibration_seqs": a.calibration_seqs if a.balanced else None, "tokens": a.tokens,
         "warmup": a.warmup, "seed": a.seed, "threads_per_rank": a.threads,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "accelerate": accelerate.__version__},

@@ -10,7 +10,7 @@ from .comm import PendingExchange, all_to_all, all_to_all_async
 from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward
 from .errors import ExpertParallelError
 from .experts import ExpertsLayout, LocalBatch, local_experts_forward, resolve_compute, shard_experts
-from .gradients import expert_parameters, sync_gradients
+from .gradients import GradientSync, expert_parameters, sync_gradients
 from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
 from .install import ExpertParallelBinding, install_expert_parallel
 from .options import RuntimeOptions
@@ -48,5 +48,6 @@ __all__ = [
     "sigmoid_group",
     "softmax_topk",
     "sync_gradients",
+    "GradientSync",
     "expert_parameters",
 ]

@@ -14,10 +14,14 @@ rank's tokens (every rank the same number of tokens). After backward:
   mean. Averaging expert gradients over the world instead (DDP on everything) would mix different
   experts; dividing only by the replica size would leave them ep_size times too large.
 
-``sync_gradients(model, ep)`` applies exactly this, with one coalesced all-reduce per group.
+``sync_gradients(model, ep)`` applies exactly this after backward, with one coalesced all-reduce per
+group; :class:`GradientSync` applies it during backward, bucket by bucket, like DDP.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -66,3 +70,112 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
     replica = ep.replica_group if ep.replica_size > 1 else False
     for dtype in sorted({g.dtype for g in expert_grads}, key=str):
         _all_reduce_mean([g for g in expert_grads if g.dtype == dtype], replica, world)
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None | bool  # None: the whole world; False: no reduction
+    ready: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is final
+    buffer: torch.Tensor | None = None
+    work: dist.Work | None = None
+
+
+class GradientSync:
+    """:func:`sync_gradients` overlapped with backward, the way DDP overlaps its all-reduce.
+
+    Gradients are packed in fixed buckets of at most :data:`BUCKET_BYTES` (one kind: replicated or
+    expert, one dtype; in reverse parameter order, about the order backward finishes them). A hook
+    after each parameter's gradient accumulation marks it ready; a bucket's all-reduce starts
+    (asynchronously) once the bucket and every bucket before it are ready, so every rank starts the
+    same collectives in the same order. :meth:`wait` after ``backward()`` starts whatever is left (a
+    parameter this rank did not use counts as a zero gradient, as in :func:`sync_gradients`), waits,
+    divides by the world size and writes the results into ``p.grad``: the same numbers as
+    :func:`sync_gradients`. For gradient accumulation, run the backward passes before the last one
+    inside :meth:`no_sync`. Call :meth:`close` to remove the hooks.
+    """
+
+    def __init__(self, model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.buckets: list[_Bucket] = []
+        self.overlapped = 0  # buckets of the last step whose all-reduce started during backward
+        self._next = 0  # the first bucket not started yet
+        self._syncing = True
+        self._handles = []
+        if not self.enabled:
+            return
+        self.world = dist.get_world_size()
+        experts = {id(p) for p in expert_parameters(model)}
+        # expert gradients: summed over the replicas of the same experts (nothing to sum with one replica)
+        expert_group = ep.replica_group if ep.replica_size > 1 else False
+        params = [p for p in model.parameters() if p.requires_grad]
+        open_buckets: dict[tuple, tuple[list[nn.Parameter], int]] = {}
+        for p in reversed(params):  # about the order backward finishes them
+            key = (id(p) in experts, p.dtype)
+            members, size = open_buckets.get(key, ([], 0))
+            if members and size + p.numel() * p.element_size() > bucket_bytes:
+                self.buckets.append(_Bucket(members, expert_group if key[0] else None))
+                members, size = [], 0
+            open_buckets[key] = (members + [p], size + p.numel() * p.element_size())
+        for (is_expert, _), (members, _) in open_buckets.items():
+            self.buckets.append(_Bucket(members, expert_group if is_expert else None))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def _ready(self, p: nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        bucket = self._bucket_of[id(p)]
+        if id(p) in bucket.ready:
+            raise RuntimeError(
+                "GradientSync: a second backward() before wait(); call wait() after every backward, or run "
+                "the backward passes of an accumulation (all but the last) inside no_sync()"
+            )
+        bucket.ready.add(id(p))
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._start(self.buckets[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
+                p.grad = torch.zeros_like(p)
+        bucket.buffer = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+        if bucket.group is not False:
+            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+        self._next += 1
+
+    def wait(self) -> None:
+        """Finish this step's reductions; afterwards every ``p.grad`` follows the contract."""
+        if not self.enabled:
+            return
+        self.overlapped = self._next
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.buffer /= self.world
+            offset = 0
+            for p in bucket.params:
+                p.grad.copy_(bucket.buffer[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            bucket.ready.clear()
+            bucket.buffer = bucket.work = None
+        self._next = 0
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients (the first micro-batches of an accumulation)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
