@@ -113,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token ids of every batch: uniform over the vocabulary, or Zipf-distributed like text")
     p.add_argument("--calibration-seqs", type=int, default=16,
                    help="sequences of the calibration set the balanced placement is profiled on")
+    p.add_argument("--oracle-placement", action="store_true",
+                   help="diagnostic: balance the placement on the timed batch itself (a bound, not a fair result)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per variant (the first is checked)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -635,12 +637,19 @@ def token_ids(kind: str, vocab: int, shape: tuple[int, int], gen: torch.Generato
     return shuffle[torch.multinomial(weights, shape[0] * shape[1], replacement=True, generator=gen)].view(shape)
 
 
-def calibration_profile(model, sizes: dict, seed: int, seqs: int, tokens: str, tmp: Path) -> str:
-    """Tokens per expert of every layer on a calibration set the timed steps never see (another seed)."""
+def calibration_profile(model, sizes: dict, seed: int, seqs: int, tokens: str, tmp: Path, oracle: bool) -> str:
+    """Tokens per expert of every layer on a calibration set the timed steps never see (another seed).
+
+    ``oracle``: on the timed batch itself instead, a diagnostic bound (no placement fixed in advance can
+    know the batch), never a fair measurement."""
     from hp_rewrite.cost.profile import record_routing
 
-    gen = torch.Generator().manual_seed(seed + 1000)
-    batches = [token_ids(tokens, sizes["vocab"], (1, sizes["seq"]), gen) for _ in range(seqs)]
+    if oracle:  # the same draws as the workers' all_ids
+        batches = [token_ids(tokens, sizes["vocab"], (WORLD * sizes["batch"], sizes["seq"]),
+                             torch.Generator().manual_seed(seed + 1))]
+    else:
+        gen = torch.Generator().manual_seed(seed + 1000)
+        batches = [token_ids(tokens, sizes["vocab"], (1, sizes["seq"]), gen) for _ in range(seqs)]
     path = tmp / "calibration-profile.json"
     path.write_text(json.dumps(record_routing(model.eval(), batches).as_dict(EP_SIZE), indent=2))
     return str(path)
@@ -664,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = Path(tmp) / "ckpt"
         model = build_model(sizes, a.seed, a.attn)
         model.save_pretrained(ckpt)  # native EP loads this, once
-        profile_path = (calibration_profile(model, sizes, a.seed, a.calibration_seqs, a.tokens, Path(tmp))
+        profile_path = (calibration_profile(model, sizes, a.seed, a.calibration_seqs, a.tokens, Path(tmp), a.oracle_placement)
                         if a.balanced else None)
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
@@ -710,6 +719,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": sizes, "config": model_config(sizes).to_dict(), "dtype": "float32", "device": "cpu",
         "backend": "gloo", "world": WORLD, "ep_size": EP_SIZE, "attn": a.attn, "iters": a.iters,
         "calibration_seqs": a.calibration_seqs if a.balanced else None, "tokens": a.tokens,
+        "oracle_placement": a.oracle_placement,
         "warmup": a.warmup, "seed": a.seed, "threads_per_rank": a.threads,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "accelerate": accelerate.__version__},
