@@ -48,7 +48,12 @@ def forward(self, hidden_states):
         routing = hp.call_router_module(self.ROUTER, hidden)
     ep = self.EXPERTS.hp_expert_parallel
     state = hp.dispatch(
-        hidden, routing.indices, routing.weights, num_experts=ep.num_experts, ep=ep.ep, options=ep.options,
+        hidden,
+        routing.indices,
+        routing.weights,
+        num_experts=ep.num_experts,
+        ep=ep.ep,
+        options=ep.options,
         placement=ep.placement,
     )
     if SHARED_MODE != "none":

@@ -14,7 +14,12 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
         return hp.local_experts_forward(self, hidden_states, self.hp_layout)
     ep = self.hp_expert_parallel
     state = hp.dispatch(
-        hidden_states, top_k_index, top_k_weights, num_experts=ep.num_experts, ep=ep.ep, options=ep.options,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=ep.num_experts,
+        ep=ep.ep,
+        options=ep.options,
         placement=ep.placement,
     )
     return hp.experts_and_combine(state, self, via_call=False)
