@@ -637,3 +637,21 @@ def test_cost_follows_the_plans_balanced_placement(tiny_dir, tmp_path, capsys) -
     total = sum(runs["contiguous"]["layers"][0]["loads"]["rows"])
     assert runs["contiguous"]["layers"][0]["loads"]["rows"][0] == pytest.approx(total * 340 / 350)
     assert max(runs["balanced"]["layers"][0]["loads"]["rows"]) == pytest.approx(total * 175 / 350)
+
+
+def test_cost_of_a_big_model_with_a_balanced_plan(dsv3_dir, tmp_path, capsys) -> None:
+    """A DeepSeek-V3-sized config: archetypes are still confirmed on the shrunk probe model (the plan's
+    loads are for the real expert count), and loads that miss a block are refused, not ignored."""
+    skew = [(e % 16) ** 2 for e in range(256)]
+    loads = {f"model.layers.{i}.mlp": skew for i in range(3, 61)}
+    plan = tmp_path / "balanced.yaml"
+    plan.write_text(f"version: 1\nep_size: 8\nplacement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n")
+    capsys.readouterr()
+    assert cli("cost", plan, dsv3_dir, "--seq-len", "4096", "--micro-batch", "1", "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["spec"]["confirmed"] == ["probe"] and doc["cost"]["knobs"]["placement"] == "balanced"
+    del loads["model.layers.60.mlp"]
+    plan.write_text(f"version: 1\nep_size: 8\nplacement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n")
+    assert cli("cost", plan, dsv3_dir, "--seq-len", "4096", "--micro-batch", "1") == 2
+    msg = capsys.readouterr().out
+    assert "model.layers.60.mlp" in msg and "hp-rewrite profile" in msg and "Traceback" not in msg

@@ -100,10 +100,17 @@ class Knobs:
 
     def owners(self, path: str, num_experts: int, ep: int) -> tuple[tuple[int, ...], ...] | None:
         """Each EP rank's experts of the block at ``path`` (None: consecutive blocks of experts)."""
-        loads = (self.placement_loads or {}).get(path)
-        if loads is None or len(loads) != num_experts or num_experts % ep:
-            return None
+        if self.placement_loads is None or num_experts % ep:
+            return None  # contiguous, or an ep that cannot hold these experts at all
+        from ..runtime.errors import ExpertParallelError
         from ..runtime.groups import ExpertPlacement
+
+        loads = self.placement_loads.get(path)
+        if loads is None or len(loads) != num_experts:  # the same refusal as installing the plan
+            raise ExpertParallelError(
+                f"placement: the routing loads have no entry with {num_experts} experts for the MoE block "
+                f"{path}; record them on this model with `hp-rewrite profile`, or use strategy: contiguous"
+            )
 
         placement = ExpertPlacement.balanced(loads, ep, 0)
         return tuple(placement.experts_of(r) for r in range(ep))

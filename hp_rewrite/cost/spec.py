@@ -189,11 +189,13 @@ def _archetypes(model: nn.Module, config, plan, blocks: list[BlockStructure]) ->
         return found, "executed", []
     from ..commands import meta_model
     from ..loading.tiny import TinyError, tiny_config
-    from ..plan.schema import ModulesSection
+    from ..plan.schema import ModulesSection, PlacementSection
 
     try:
         probe = meta_model(tiny_config(config))
-        analysis = analyze(probe, plan.model_copy(update={"modules": ModulesSection()}))
+        # the shrunk model has other expert counts: the plan's placement loads are not for it
+        shrunk_plan = plan.model_copy(update={"modules": ModulesSection(), "placement": PlacementSection()})
+        analysis = analyze(probe, shrunk_plan)
     except (TinyError, ValueError, RuntimeError) as e:
         return {}, "structural", [f"archetypes not confirmed: the shrunk probe model failed ({e})"]
     found = {_class_key(r.structure): r.archetype.as_dict() for r in analysis.matched}
