@@ -28,9 +28,11 @@ SEQ, BATCH = 8, 2
 
 
 def measure(
-    model_type: str, out_dir: str, rank: int = 0, world: int = 1, compute: str = "grouped"
+    model_type: str, out_dir: str, rank: int = 0, world: int = 1, compute: str = "grouped", dedup: bool = False
 ) -> list[dict]:
-    plan = parse_plan(f"version: 1\nep_size: {world}\nruntime:\n  compute: {compute}\n")
+    """``dedup`` off by default: the plain exchange's rows and bytes are what the cost model counts exactly."""
+    text = f"version: 1\nep_size: {world}\nruntime:\n  compute: {compute}\n  dedup: {str(dedup).lower()}\n"
+    plan = parse_plan(text)
     ep = build_expert_parallel_group(world) if world > 1 else ExpertParallelGroup.single()
     model = build_tiny_model(tiny_config(model_type), seed=0)
     _, artifact = generate(model, plan, model.config, Path(out_dir) / f"rank{rank}")
@@ -78,10 +80,33 @@ def measure(
     return results
 
 
+def uniform_dedup_rows(rank: int, world: int, tokens: int, num_experts: int, top_k: int) -> dict:
+    """Rows the dedup exchange moves when every token picks ``top_k`` distinct experts uniformly at random
+    (the case the cost model's estimate is exact for, in expectation)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    ep = build_expert_parallel_group(world)
+    config = Qwen3MoeConfig(hidden_size=4, moe_intermediate_size=4, num_experts=num_experts, num_experts_per_tok=top_k)
+    experts = Qwen3MoeExperts(config)
+    hp.install_expert_parallel(experts, num_experts=num_experts, ep=ep, options=hp.RuntimeOptions(dedup=True))
+    gen = torch.Generator().manual_seed(rank)
+    indices = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    weights = torch.full((tokens, top_k), 1.0 / top_k)
+    state = hp.dispatch(torch.randn(tokens, 4, generator=gen), indices, weights, num_experts=num_experts, ep=ep,
+                        options=hp.RuntimeOptions(dedup=True))
+    hp.experts_and_combine(state, experts)
+    return {"rows_sent": state.stats.rows_sent, "rows_received": state.stats.rows_received}
+
+
 def run_cost_world(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
-    return {
+    out = {
         f"{mt}/{compute}": measure(mt, payload["out_dir"], rank, world, compute)
         for mt in payload["families"]
         for compute in payload["computes"]
     }
+    for mt in payload["families"]:
+        out[f"{mt}/dedup"] = measure(mt, payload["out_dir"], rank, world, "grouped", dedup=True)
+    out["uniform"] = uniform_dedup_rows(rank, world, 4096, 16, 4)
+    return out

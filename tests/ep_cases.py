@@ -284,7 +284,8 @@ def _routing_bias(kind: str, ep_size: int) -> torch.Tensor:
 
 def forced_route(blk, h, kind, ep_size, top_k=2):
     logits = F.linear(h, blk.gate.weight) + _routing_bias(kind, ep_size).to(h.dtype)
-    return softmax_topk(logits, top_k, renormalize=True)
+    # top-1 keeps the softmax weight: renormalised it would be the constant 1 and its gradient noise
+    return softmax_topk(logits, top_k, renormalize=top_k > 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     else:
         parts = []
         for s in _slices(tokens):
-            r = forced_route(ref_blk, x_ref[s], routing, ep_size)
+            r = forced_route(ref_blk, x_ref[s], routing, ep_size, case.get("top_k", 2))
             idx, w = r.indices, r.weights
             if capacity:
                 idx, w, _ = apply_capacity(
@@ -360,7 +361,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     def run_ep():
         if routing == "natural" and not capacity:
             return ep_forward(family, ep_blk, x_ep, ep, opts)
-        r = forced_route(ep_blk, x_ep, routing, ep_size)
+        r = forced_route(ep_blk, x_ep, routing, ep_size, case.get("top_k", 2))
         return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, **_routed_kw(ep_blk, ep, opts))
 
     out = run_ep()

@@ -14,6 +14,7 @@ import torch
 import hp_rewrite.runtime as hp
 from hp_rewrite.cli import main
 from hp_rewrite.cost import formulas
+from hp_rewrite.cost import per_rank as cost_per_rank
 from hp_rewrite.cost.calibration import fit_alpha_beta
 from hp_rewrite.cost.flopcount import count_flops, grouped_mm_flop
 from hp_rewrite.cost.hardware import PRESETS, Hardware, load_hardware
@@ -81,7 +82,8 @@ def _layer(num_experts=4, top_k=2, shared=None, gate=False) -> MoELayerSpec:
 
 def test_imbalanced_layer_by_hand() -> None:
     # ep=2, T=8 tokens per rank, k=2: 32 slots in the EP group; experts 0-1 on rank 0, 2-3 on rank 1
-    c = layer_cost(_layer(), Parallel(ep=2), Workload(4, 2), Precision.of(2), histogram=[20, 4, 6, 2])
+    plain = Knobs(dedup=False)
+    c = layer_cost(_layer(), Parallel(ep=2), Workload(4, 2), Precision.of(2), histogram=[20, 4, 6, 2], knobs=plain)
     assert c.rank == 0 and c.loads.rows == (24, 8) and c.loads.imbalance == 1.5
     assert c.forward.routed == 24 * 144 and c.backward.routed == 2 * 24 * 144
     assert c.forward.router == 512 and c.forward.combine == 2 * 8 * 2 * 8
@@ -91,9 +93,26 @@ def test_imbalanced_layer_by_hand() -> None:
     assert ex.remote_bytes_sent == 16 * (1 - 24 / 32) * 16  # its own slots not to its experts
     assert ex.step_bytes == 2 * (256 + 384) and ex.count_bytes == 8 * 4
     other = layer_cost(
-        _layer(), Parallel(ep=2), Workload(4, 2), Precision.of(2), histogram=[20, 4, 6, 2], rank=1
+        _layer(), Parallel(ep=2), Workload(4, 2), Precision.of(2), histogram=[20, 4, 6, 2], rank=1, knobs=plain
     )
     assert other.forward.routed == 8 * 144 and other.exchange.rows_received == 8
+
+
+def test_dedup_layer_by_hand() -> None:
+    # as above, with one row per (token, rank): rank 0 holds 3/4 of the slots, rank 1 1/4
+    c = layer_cost(_layer(), Parallel(ep=2), Workload(4, 2), Precision.of(2), histogram=[20, 4, 6, 2])
+    assert c.forward.routed == 24 * 144 and c.forward.combine == 2 * 24 * 8  # weighted adds on the owner
+    # P(token hits rank 0) = 1 - C(1,2)/C(4,2) = 1; rank 1: 1 - C(3,2)/C(4,2) = 1/2
+    assert cost_per_rank.hit_probability(0.75, 4, 2) == 1.0 and cost_per_rank.hit_probability(0.25, 4, 2) == 0.5
+    ex = c.exchange  # rows of 8 x 2 bytes + 2 * k float32 side columns
+    assert ex.estimated and (ex.rows_sent, ex.rows_received) == (8 * 1.5, 2 * 8 * 1.0)
+    assert (ex.bytes_sent, ex.bytes_received) == (12 * 32, 16 * 32)
+    assert (ex.combine_bytes_sent, ex.combine_bytes_received) == (16 * 16, 12 * 16)
+    assert (ex.remote_bytes_sent, ex.remote_bytes_received) == (4 * 32, 8 * 32)
+    assert ex.step_bytes == 2 * (12 * 32 + 16 * 16) and ex.count_bytes == 8 * (4 + 2)
+    # uniform routing, 16 experts, top-4, ep 2: 1 - C(8,4)/C(16,4) = 1 - 70/1820
+    assert cost_per_rank.hit_probability(0.5, 16, 4) == pytest.approx(1 - 70 / 1820)
+    assert layer_cost(_layer(), Parallel(ep=1), Workload(4, 2)).exchange.rows_sent == 16  # no dedup at ep 1
 
 
 def test_histogram_is_rescaled_to_the_workload() -> None:
@@ -126,6 +145,7 @@ def test_balanced_equals_uniform_histogram_and_capacity() -> None:
     lay = _layer()
     bal = layer_cost(lay, Parallel(ep=2), Workload(4, 2))
     uni = layer_cost(lay, Parallel(ep=2), Workload(4, 2), histogram=[1, 1, 1, 1])
+    assert bal.exchange.rows_sent == 8 * 2 * (1 - 1 / 6)  # dedup: a token misses a rank with p C(2,2)/C(4,2)
     assert bal.forward == uni.forward and bal.exchange == uni.exchange
     # capacity ceil(1.0 * 8 * 2 / 4) = 4 slots per source rank and expert (ep=1): [10,2,3,1] keeps [4,2,3,1]
     capped = layer_cost(
@@ -253,7 +273,7 @@ def test_ep2_flops_and_bytes_match_each_gloo_rank(model_type, compute, specs, ep
             hist = m["tokens_per_expert"]  # global: summed over the EP group
             assert sum(hist) == 2 * SEQ * BATCH * lay.top_k
             pred = layer_cost(
-                lay, Parallel(ep=2), Workload(SEQ, BATCH), Precision.of(4), histogram=hist, rank=rank
+                lay, Parallel(ep=2), Workload(SEQ, BATCH), Precision.of(4), Knobs(dedup=False), hist, rank
             )
             assert _rel(pred.step_flops, m["flops"]) <= REL, (rank, lay.path, pred.step_flops, m["flops"])
             ex = pred.exchange
@@ -264,6 +284,35 @@ def test_ep2_flops_and_bytes_match_each_gloo_rank(model_type, compute, specs, ep
         ep2_world[0][f"{model_type}/{compute}"][0]["tokens_per_expert"]
         == ep2_world[1][f"{model_type}/{compute}"][0]["tokens_per_expert"]
     )
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_ep2_dedup_moves_fewer_rows_and_the_same_expert_flops(model_type, specs, ep2_world) -> None:
+    """The dedup exchange on each gloo rank: the same expert FLOPs as the cost model (its weighted adds are
+    elementwise, which FlopCounterMode does not count), fewer rows than the plain exchange, and bytes
+    that follow from the rows (hidden row + 2k float32 side columns)."""
+    spec = specs[model_type]
+    for rank, results in enumerate(ep2_world):
+        for lay, m, plain in zip(spec.layers, results[f"{model_type}/dedup"], results[f"{model_type}/grouped"],
+                                 strict=True):
+            pred = layer_cost(lay, Parallel(ep=2), Workload(SEQ, BATCH), Precision.of(4),
+                              histogram=m["tokens_per_expert"], rank=rank)
+            matmul = pred.step_flops - pred.forward.combine - pred.backward.combine
+            assert _rel(matmul, m["flops"]) <= REL, (rank, lay.path, matmul, m["flops"])
+            assert m["rows_sent"] < plain["rows_sent"] and m["rows_received"] <= plain["rows_received"]
+            row = lay.hidden * 4 + 2 * lay.top_k * 4
+            assert (m["bytes_sent"], m["bytes_received"]) == (m["rows_sent"] * row, m["rows_received"] * row)
+
+
+def test_dedup_rows_estimate_matches_uniform_routing(ep2_world) -> None:
+    """Uniform routing (4 of 16 experts, 4096 tokens per rank): the estimate is exact in expectation."""
+    lay = _layer(num_experts=16, top_k=4)
+    for rank, results in enumerate(ep2_world):
+        ex = layer_cost(lay, Parallel(ep=2), Workload(4096, 1), rank=rank).exchange
+        m = results["uniform"]
+        assert _rel(ex.rows_sent, m["rows_sent"]) <= 0.02 and _rel(ex.rows_received, m["rows_received"]) <= 0.02, (
+            ex, m)
+        assert m["rows_sent"] < 4096 * 4 * 0.5  # against one row per slot
 
 
 def test_seed_balanced_formula_divides_by_ep_once_too_often(specs, ep2_world) -> None:
@@ -490,7 +539,7 @@ def test_profile_then_cost_with_the_histogram(tiny_dir, tmp_path, capsys) -> Non
     layers = doc["cost"]["layers"]
     assert [c["loads"]["source"] for c in layers] == ["histogram", "histogram"]
     # same workload as the profile: the busiest rank's rows are the profile's busiest rank load
-    assert [c["exchange"]["rows_received"] for c in layers] == [max(x["rank_loads"]) for x in data["layers"]]
+    assert [max(c["loads"]["rows"]) for c in layers] == [max(x["rank_loads"]) for x in data["layers"]]
     assert doc["spec"]["confirmed"] == ["executed"] and doc["time"]["total_s"] > 0
 
 

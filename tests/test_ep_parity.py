@@ -25,6 +25,20 @@ FAMILIES = [
     "w1w3w2_transposed",
 ]
 
+NO_DEDUP_CASES = {
+    "qwen3-fp32",
+    "gpt_oss-fp32",
+    "qwen3-bf16",
+    "qwen3-sync",
+    "forced-top4",
+    "deepseek_v3-chunks2-async-equals-sync",
+    "capacity-probs",
+    "capacity-probs-renorm-chunks2",
+    "rank1-sends-nothing-chunks4",
+    "placed-interleaved-qwen3",
+    "placed-interleaved-capacity-probs",
+}
+
 
 def _cases(world: int) -> list[dict]:
     cases = [{"name": f"{f}-fp32", "family": f} for f in FAMILIES]
@@ -44,6 +58,11 @@ def _cases(world: int) -> list[dict]:
             "compare_sync": True,
         },
         {"name": "skewed", "family": "qwen3", "routing": "skewed"},
+        # top-1 (one destination per token) and top-4 (up to 4 destinations: the widest dedup partial sum)
+        {"name": "forced-top1", "family": "qwen3", "routing": "forced", "top_k": 1},
+        {"name": "forced-top4", "family": "qwen3", "routing": "forced", "top_k": 4},
+        {"name": "forced-top4-bf16-chunks2", "family": "qwen3", "routing": "forced", "top_k": 4, "dtype": "bf16",
+         "options": {"chunks": 2}},
         {"name": "skewed-chunks4", "family": "qwen3", "routing": "skewed", "options": {"chunks": 4}},
         {
             "name": "capacity-probs",
@@ -107,6 +126,11 @@ def _cases(world: int) -> list[dict]:
              "routing": "skewed", "options": {"capacity_factor": 1.0, "drop_policy": "probs"}},
             {"name": "placed-balanced-rank1-sends-nothing", "family": "qwen3", "placement": "balanced",
              "tokens": [12, 0, 9, 5]},
+        ]
+        cases += [  # the plain exchange (one row per routed slot) stays tested next to the default dedup
+            {**c, "name": f"{c['name']}-no-dedup", "options": {**c.get("options", {}), "dedup": False}}
+            for c in cases
+            if c["name"] in NO_DEDUP_CASES
         ]
     if world == 4:
         cases += [  # EP=2 x 2 replicas: expert gradients summed over the replica group

@@ -29,6 +29,7 @@ def test_defaults_are_valid() -> None:
         "capacity_factor": None,
         "drop_policy": "probs",
         "renormalize_kept": False,
+        "dedup": True,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True
@@ -45,8 +46,9 @@ def test_defaults_are_valid() -> None:
         ({"capacity_factor": 0}, ["capacity_factor=0", "> 0", "null"]),
         ({"capacity_factor": -1.0}, ["capacity_factor=-1.0", "> 0"]),
         ({"drop_policy": "random"}, ["drop_policy", "'random'", "probs", "position"]),
+        ({"dedup": 1}, ["dedup=1", "true or false"]),
     ],
-    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy"],
+    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy", "dedup"],
 )
 def test_runtime_options_validation(kwargs: dict, fragments: list[str]) -> None:
     with pytest.raises(ExpertParallelError) as info:

@@ -115,6 +115,7 @@ CHANGES = [
     "runtime: {capacity_factor: 1.5}",
     "runtime: {drop_policy: position}",
     "runtime: {renormalize_kept: true}",
+    "runtime: {dedup: false}",
     "runtime: {router_dtype: fp32}",
     "runtime: {timeout_s: 120}",
     "output: {dir: generated}",
@@ -171,7 +172,7 @@ def test_to_options_round_trip() -> None:
     plan = parse_plan(
         HEAD
         + "runtime:\n  compute: eager\n  chunks: 4\n  overlap: false\n  capacity_factor: 2\n"
-        + "  drop_policy: position\n  renormalize_kept: true\n"
+        + "  drop_policy: position\n  renormalize_kept: true\n  dedup: false\n"
     )
     opts = plan.runtime.to_options()
     assert opts == RuntimeOptions(
@@ -181,6 +182,7 @@ def test_to_options_round_trip() -> None:
         capacity_factor=2.0,
         drop_policy="position",
         renormalize_kept=True,
+        dedup=False,
     )
     for key, value in opts.as_dict().items():
         assert getattr(plan.runtime, key) == value

@@ -13,6 +13,8 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
   a1. ``hp-ep2-overlap-sync`` the same, with the gradients synchronised during backward by ``GradientSync``
                          (what ``hp_rewrite.gradient_sync(model)`` returns): 25 MB buckets, as DDP does.
   a2. ``hp-ep2-chunksN`` the same with ``runtime: {chunks: N}`` (``--hp-chunks``).
+  a4. ``hp-ep2-no-dedup``, ``hp-ep2-balanced-no-dedup`` (``--compare-dedup``): the same with ``runtime: {dedup:
+                         false}``, the plain exchange (one row per routed slot, weighted sum on the sender).
   a3. ``hp-ep2-balanced`` the same with ``placement: {strategy: balanced, profile: ...}``: before the ranks start,
                          ``hp-rewrite profile``'s recorder counts the tokens per expert of the seeded model on a
                          *calibration* set (``--calibration-seqs`` sequences, 16 by default; token ids drawn with
@@ -113,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token ids of every batch: uniform over the vocabulary, or Zipf-distributed like text")
     p.add_argument("--calibration-seqs", type=int, default=16,
                    help="sequences of the calibration set the balanced placement is profiled on")
+    p.add_argument("--compare-dedup", action="store_true",
+                   help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
     p.add_argument("--oracle-placement", action="store_true",
                    help="diagnostic: balance the placement on the timed batch itself (a bound, not a fair result)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
@@ -397,6 +401,9 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["profile_path"]:
         plans[BALANCED] = (f"version: 1\nep_size: {EP_SIZE}\nplacement:\n  strategy: balanced\n"
                            f"  profile: {json.dumps(payload['profile_path'])}\n")
+    if payload["compare_dedup"]:  # the plain exchange: one row per routed slot
+        for name in [n for n in plans if n in (HP, BALANCED)]:
+            plans[f"{name}-no-dedup"] = plans[name] + "runtime:\n  dedup: false\n"
     for name, text in plans.items():
         v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC)
         variants.append(v)
@@ -449,7 +456,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
               "errors": errors, "base_rss_mb": base_rss_mb, "memory_method": mem.method,
               "process_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if payload["profile"]:
-        result["profile"] = profile([v for v in variants if v.name in (HP, NATIVE)], payload["profile_rows"],
+        result["profile"] = profile([v for v in variants if v.name in (HP, f"{HP}-no-dedup", NATIVE, UNMOD2)], payload["profile_rows"],
                                     payload["profile_steps"])
     return result
 
@@ -678,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path, "tokens": a.tokens,
-                   "hp_chunks": a.hp_chunks, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
+                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
             ranks = run_world(WORLD, "tools.bench_e2e:worker", payload, timeout=a.timeout)

@@ -16,6 +16,7 @@ from .routing import Histograms, RankLoads, rank_loads
 from .spec import ModelSpec, MoELayerSpec
 
 COUNT_BYTES = 8  # the runtime exchanges int64 split sizes
+SIDE_BYTES = 4  # dedup: each row's routing weights and local expert ids travel as float32
 
 
 @dataclass(frozen=True)
@@ -84,19 +85,21 @@ class Knobs:
     """Runtime knobs that change the cost (from the plan's ``runtime:`` and ``placement:`` sections).
 
     placement_loads: per MoE block path, the loads a balanced placement spreads (None: contiguous).
+    dedup: one row per (token, destination rank) instead of one per routed slot (``runtime.dedup``).
     """
 
     chunks: int = 1
     overlap: bool = True
     capacity_factor: float | None = None
     placement_loads: dict | None = None
+    dedup: bool = True
 
     @classmethod
     def from_plan(cls, plan) -> Knobs:
         rt = plan.runtime
         balanced = plan.placement.strategy == "balanced"
         return cls(chunks=rt.chunks, overlap=rt.overlap, capacity_factor=rt.capacity_factor,
-                   placement_loads=dict(plan.placement.loads) if balanced else None)
+                   placement_loads=dict(plan.placement.loads) if balanced else None, dedup=rt.dedup)
 
     def owners(self, path: str, num_experts: int, ep: int) -> tuple[tuple[int, ...], ...] | None:
         """Each EP rank's experts of the block at ``path`` (None: consecutive blocks of experts)."""
@@ -138,9 +141,11 @@ class Exchange:
     """All-to-all volume of one rank for one layer, dispatch direction, counted like the runtime's
     ``DispatchStats``: rows to and from *this rank itself included* (the runtime hands them to
     ``all_to_all_single`` like any other). The combine moves the same rows back (sent and received
-    swap); backward repeats both through the reverse exchanges. ``remote_*`` leave out the rows a
-    rank keeps (what crosses a link; the time model uses these). ``count_bytes``: the split-size
-    exchange, once per layer (int64 per chunk and expert, sent and received)."""
+    swap; ``combine_bytes_*``, without the dedup side columns); backward repeats both through the
+    reverse exchanges. ``remote_*`` leave out the rows a rank keeps (what crosses a link; the time
+    model uses these). ``count_bytes``: the split-size exchange, once per layer (int64 per chunk and
+    expert, plus one per chunk and rank with dedup, sent and received). ``estimated``: the rows are an
+    estimate (dedup: which experts share a token is not in a histogram), not a count."""
 
     rows_sent: float
     rows_received: float
@@ -149,11 +154,14 @@ class Exchange:
     remote_bytes_sent: float
     remote_bytes_received: float
     count_bytes: float
+    combine_bytes_sent: float = 0.0
+    combine_bytes_received: float = 0.0
+    estimated: bool = False
 
     @property
     def forward_bytes(self) -> float:
         """Bytes this rank sends in one forward: dispatch + combine (it receives the same total)."""
-        return self.bytes_sent + self.bytes_received
+        return self.bytes_sent + self.combine_bytes_sent
 
     @property
     def step_bytes(self) -> float:
@@ -259,6 +267,18 @@ class ModelCost:
         return d
 
 
+def hit_probability(share: float, num_experts: int, top_k: int) -> float:
+    """Chance that a token has at least one of its ``top_k`` experts on a rank that receives ``share``
+    of all routed slots: drawn without replacement from ``num_experts`` equally likely experts, of
+    which ``share * num_experts`` count as the rank's. Exact for uniform routing; with skew it is the
+    same formula on the rank's share (which experts co-occur in one token is not in a histogram)."""
+    outside = (1.0 - share) * num_experts
+    miss = 1.0
+    for i in range(min(top_k, num_experts)):
+        miss *= max(outside - i, 0.0) / (num_experts - i)
+    return 1.0 - miss
+
+
 def _activations(lay: MoELayerSpec, tokens: float, rows: float, act: int) -> float:
     """Saved for backward: the block input (shared by router and shared expert), fp32 router scores,
     the received rows and the expert MLP's intermediate outputs, the k expert outputs per token
@@ -310,24 +330,47 @@ def layer_cost(
     if not 0 <= r < ep:
         raise ValueError(f"rank {r} outside the EP group of {ep}")
     rows, kept = loads.rows[r], sum(loads.rows)
-    sent = kept / ep  # every rank routes like the histogram: its share of the kept slots
-    share = rows / kept if kept else 1.0 / ep
     row_bytes = lay.hidden * prec.act
+    dedup = knobs.dedup and ep > 1
     fwd = LayerFlops(
         router=formulas.router_flops(tokens, lay.hidden, lay.num_experts),
         routed=formulas.expert_flops(rows, lay.routed, par.t_exp),
-        combine=formulas.combine_flops(tokens, k, lay.hidden),
+        # dedup: the owning rank weights and adds its received (row, expert) outputs
+        combine=2.0 * rows * lay.hidden if dedup else formulas.combine_flops(tokens, k, lay.hidden),
         shared=formulas.shared_flops(tokens, lay.shared, lay.shared_gate, par.t_exp),
     )
-    exchange = Exchange(
-        rows_sent=sent,
-        rows_received=rows,
-        bytes_sent=sent * row_bytes,
-        bytes_received=rows * row_bytes,
-        remote_bytes_sent=sent * (1 - share) * row_bytes,
-        remote_bytes_received=rows * (ep - 1) / ep * row_bytes,
-        count_bytes=(COUNT_BYTES * knobs.chunks * lay.num_experts) if ep > 1 else 0,
-    )
+    counts = COUNT_BYTES * knobs.chunks * (lay.num_experts + (ep if dedup else 0)) if ep > 1 else 0
+    if dedup:
+        kept_share = kept / (ep * tokens * k) if tokens and k else 0.0
+        hits = [hit_probability(x / kept if kept else 1.0 / ep, lay.num_experts, k) * kept_share for x in loads.rows]
+        sent, received = tokens * sum(hits), ep * tokens * hits[r]
+        side = 2 * k * SIDE_BYTES
+        exchange = Exchange(
+            rows_sent=sent,
+            rows_received=received,
+            bytes_sent=sent * (row_bytes + side),
+            bytes_received=received * (row_bytes + side),
+            remote_bytes_sent=(sent - tokens * hits[r]) * (row_bytes + side),
+            remote_bytes_received=received * (ep - 1) / ep * (row_bytes + side),
+            count_bytes=counts,
+            combine_bytes_sent=received * row_bytes,
+            combine_bytes_received=sent * row_bytes,
+            estimated=True,
+        )
+    else:
+        sent = kept / ep  # every rank routes like the histogram: its share of the kept slots
+        share = rows / kept if kept else 1.0 / ep
+        exchange = Exchange(
+            rows_sent=sent,
+            rows_received=rows,
+            bytes_sent=sent * row_bytes,
+            bytes_received=rows * row_bytes,
+            remote_bytes_sent=sent * (1 - share) * row_bytes,
+            remote_bytes_received=rows * (ep - 1) / ep * row_bytes,
+            count_bytes=counts,
+            combine_bytes_sent=rows * row_bytes,
+            combine_bytes_received=sent * row_bytes,
+        )
     local = lay.num_experts // ep if lay.num_experts % ep == 0 else lay.num_experts / ep
     return LayerCost(
         path=lay.path,

@@ -113,6 +113,7 @@ class RuntimeSection(_Section):
     capacity_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
+    dedup: bool = True
     router_dtype: RouterDtype = "auto"
     timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
 
@@ -127,6 +128,7 @@ class RuntimeSection(_Section):
             capacity_factor=self.capacity_factor,
             drop_policy=self.drop_policy,
             renormalize_kept=self.renormalize_kept,
+            dedup=self.dedup,
         )
 
 

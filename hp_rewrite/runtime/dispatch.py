@@ -15,6 +15,11 @@ Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``
    transformers' ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
    exact.
 
+With ``options.dedup`` (the default, ep > 1) steps 4-6 move one row per (token, destination rank)
+instead of one per slot: the owning rank applies the weights and sums its experts' outputs per row,
+and the sender adds one partial sum per destination rank (see :mod:`.dedup`). The experts see the
+same rows in the same order either way; only the order of the weighted sum's additions differs.
+
 Two-phase use (the shared expert overlaps the in-flight dispatch)::
 
     state = dispatch(x, indices, weights, num_experts=E, ep=ep, options=opts)
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, dedup
 from .capacity import apply_capacity, count_per_expert
 from .experts import LocalBatch, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
@@ -59,12 +64,14 @@ class DispatchStats:
 @dataclass
 class _Chunk:
     tokens: slice
-    rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped slots excluded
+    rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped excluded; dedup: token ids
     send_splits: list[int]
     recv_splits: list[int]
     local_counts: list[int]  # received rows per local expert, all sources
-    to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1)
+    to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1 or dedup)
     exchange: comm.PendingExchange | None = None
+    sent: dedup.SentRows | None = None  # the deduplicated rows (dedup only)
+    side_exchange: comm.PendingExchange | None = None  # dedup side tensor, when not packed with the rows
 
 
 @dataclass
@@ -146,39 +153,58 @@ def dispatch(
     slot_of = None if placement.is_contiguous else placement.slot_table(indices.device)
     slots = indices if slot_of is None else slot_of[indices]  # sort by owner slot, not expert id
     bounds = _chunk_bounds(num_tokens, options.chunks)
-    orders, counts = [], []
+    use_dedup = options.dedup and ep.size > 1
+    orders, counts, plans = [], [], []
     for b in bounds:
         flat = slots[b].reshape(-1)
-        orders.append(torch.sort(flat, stable=True).indices)
+        if use_dedup:
+            plans.append(dedup.plan_rows(slots[b], n_local, ep.size))
+        else:
+            orders.append(torch.sort(flat, stable=True).indices)
         counts.append(count_per_expert(flat, num_experts))
     counts_all = torch.stack(counts)  # [chunks, E]
     per_dest = counts_all.view(len(bounds), ep.size, n_local)
-    recv = comm.exchange_counts(per_dest.transpose(0, 1).contiguous(), ep.group)  # [src, chunks, local]
+    if use_dedup:  # rows per destination are the tokens it gets, not the slots: one more count column
+        rows_per_dest = torch.stack([p.per_rank for p in plans])  # [chunks, ep]
+        cells = torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
+    else:
+        rows_per_dest, cells = per_dest.sum(-1), per_dest
+    recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), ep.group)  # [src, chunks, cell]
     # The one host sync of the layer: every split size of every chunk.
-    host = torch.cat([per_dest.sum(-1).reshape(-1), recv.reshape(-1)]).tolist()
-    n_chunks = len(bounds)
+    host = torch.cat([rows_per_dest.reshape(-1), recv.reshape(-1)]).tolist()
+    n_chunks, width = len(bounds), cells.shape[-1]
     send_host = host[: n_chunks * ep.size]
     recv_host = host[n_chunks * ep.size :]
 
     row_bytes = hidden.shape[-1] * hidden.element_size()
     per_slot = counts_all.sum(0)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
+    if use_dedup:  # each row carries its weights and local ids
+        row_bytes += 2 * top_k * torch.finfo(dedup.side_dtype(weights.dtype)).bits // 8
     chunks = []
     for c, b in enumerate(bounds):
         send_splits = send_host[c * ep.size : (c + 1) * ep.size]
-        recv_cells = [
-            recv_host[(s * n_chunks + c) * n_local : (s * n_chunks + c + 1) * n_local] for s in range(ep.size)
-        ]
-        recv_splits = [sum(cell) for cell in recv_cells]
+        recv_cells = [recv_host[(s * n_chunks + c) * width : (s * n_chunks + c + 1) * width] for s in range(ep.size)]
         local_counts = [sum(cell[e] for cell in recv_cells) for e in range(n_local)]
-        rows = orders[c][: sum(send_splits)]
-        to_em = None
-        if ep.size > 1:
-            to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
-        chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
-        send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
+        if use_dedup:
+            recv_splits = [cell[n_local] for cell in recv_cells]
+            sent = dedup.sent_rows(plans[c], sum(send_splits), slots[b], weights[b], n_local)
+            chunk = _Chunk(b, sent.tokens, send_splits, recv_splits, local_counts, None, sent=sent)
+            send_x = hidden[b].index_select(0, sent.tokens)
+            if send_x.dtype == sent.side.dtype:  # one exchange: the side tensor as extra columns
+                send_x = torch.cat([send_x, sent.side], dim=1)
+            else:
+                chunk.side_exchange = comm.exchange(sent.side, recv_splits, send_splits, ep.group, options.overlap)
+        else:
+            recv_splits = [sum(cell) for cell in recv_cells]
+            rows = orders[c][: sum(send_splits)]
+            to_em = None
+            if ep.size > 1:
+                to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
+            chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
+            send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
         chunk.exchange = comm.exchange(send_x, recv_splits, send_splits, ep.group, options.overlap)
-        stats.rows_sent += len(rows)
+        stats.rows_sent += sum(send_splits)
         stats.rows_received += sum(recv_splits)
         chunks.append(chunk)
     stats.bytes_sent = stats.rows_sent * row_bytes
@@ -213,8 +239,20 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     experts.hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     ep, opts = state.ep, state.options
     combines = []
+    k, hidden_size = state.top_k, state.hidden_shape[-1]
     for chunk in state.chunks:
         x = chunk.exchange.wait()
+        if chunk.sent is not None:  # dedup: one row per token, its local experts in the side tensor
+            if chunk.side_exchange is None:
+                x, side = x[:, :hidden_size], x[:, hidden_size:]
+            else:
+                side = chunk.side_exchange.wait()
+            pairs = dedup.pairs_of(side, k, state.placement.num_local, sum(chunk.local_counts))
+            x = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))
+            y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute), via_call)
+            y = dedup.weighted_rows(y, pairs, side, k, state.weights.dtype)
+            combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap))
+            continue
         if chunk.to_expert_major is not None:
             order = torch.empty_like(chunk.to_expert_major)
             order[chunk.to_expert_major] = torch.arange(len(order), device=order.device)
@@ -224,10 +262,12 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
             y = y.index_select(0, chunk.to_expert_major)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap))
     outs = []
-    k, hidden_size = state.top_k, state.hidden_shape[-1]
     for chunk, pending in zip(state.chunks, combines, strict=True):
         y_sorted = pending.wait()
         n_tok = chunk.tokens.stop - chunk.tokens.start
+        if chunk.sent is not None:
+            outs.append(dedup.sum_partials(y_sorted, chunk.sent, n_tok))
+            continue
         n_slots = n_tok * k
         if len(chunk.rows) == n_slots:  # dropless: a gather back to (token, slot) order
             inverse = torch.empty_like(chunk.rows)

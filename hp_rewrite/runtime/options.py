@@ -29,6 +29,10 @@ class RuntimeOptions:
     drop_policy: which slots an expert keeps when over capacity: ``probs`` (highest routing weight)
         or ``position`` (earliest tokens). Ties go to the earlier (token, slot).
     renormalize_kept: after dropping, rescale each token's kept weights to the sum they had before.
+    dedup: send each token once to each rank that owns any of its experts (with its local expert ids
+        and weights) instead of once per routed slot; the owning rank sums its experts' weighted
+        outputs and sends one row back. With top-k > 1 this cuts both exchanges, forward and
+        backward. Off: one row per routed slot, and the weighted sum happens on the sending rank.
     """
 
     compute: ComputeKind = "auto"
@@ -37,6 +41,7 @@ class RuntimeOptions:
     capacity_factor: float | None = None
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_KINDS:
@@ -51,6 +56,8 @@ class RuntimeOptions:
             raise ExpertParallelError(
                 f"drop_policy={self.drop_policy!r}: choose one of {', '.join(DROP_POLICIES)}"
             )
+        if not isinstance(self.dedup, bool):
+            raise ExpertParallelError(f"dedup={self.dedup!r}: must be true or false")
 
     def as_dict(self) -> dict:
         """Plain dict, stable key order (used in artifact hashes)."""
