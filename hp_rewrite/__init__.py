@@ -2,7 +2,9 @@
 
 ``hp_rewrite.auto_patch(plan)`` / ``hp_rewrite.from_pretrained(model_dir, plan=...)`` return
 rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract after
-backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP). The
+backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP);
+``hp_rewrite.interleave(steps)`` runs micro-batches that compute while another one's all-to-all is
+in flight. The
 routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
 """
 
@@ -16,6 +18,7 @@ _LAZY = {
     "sync_gradients": "hp_rewrite.training",
     "gradient_sync": "hp_rewrite.training",
     "save_pretrained": "hp_rewrite.loading.save",
+    "interleave": "hp_rewrite.runtime.turns",
 }
 
 

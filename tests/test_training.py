@@ -129,3 +129,28 @@ def test_gradient_sync_single_process_and_errors(tiny_dir: Path, tmp_path: Path)
     sync.wait()
     after = [p.grad for p in model.parameters() if p.grad is not None]
     assert not sync.enabled and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("world", "ep_size", "plan"),
+    [
+        (2, 2, ""),
+        (2, 2, "runtime: {dedup: false, overlap: false}\n"),  # the synchronous exchanges take turns too
+        (2, 2, "runtime: {chunks: 2}\n"),
+        (4, 2, ""),  # EP=2 x DP=2
+    ],
+    ids=["ep2", "ep2-plain-sync", "ep2-chunks2", "ep2xdp2"],
+)
+def test_interleaved_micro_batches_equal_unmodified(world: int, ep_size: int, plan: str, tmp_path: Path) -> None:
+    payload = {"model_type": "qwen3_moe", "ep_size": ep_size, "plan": plan, "out_dir": str(tmp_path)}
+    for rank, r in enumerate(run_world(world, "tests.training_cases:interleaved_step", payload)):
+        assert r["tags"] == [0, 1]
+        assert r["grad_worst"] <= TOL, (rank, r["grad_worst_name"], r["grad_worst"])
+        assert r["vs_sequential"] <= 1e-6, (rank, r["vs_sequential"])
+        # the micro-batches take turns at every exchange instead of running one pass after another: the
+        # experts of consecutive calls (one per layer and chunk) belong to alternating micro-batches
+        order = [tuple(c) for c in r["order"]]
+        threads = [t for t, _ in order]
+        assert r["blocks"] >= 2 and all(a != b for a, b in zip(threads, threads[1:])), order
+        layers = {t: sorted(layer for u, layer in order if u == t) for t in set(threads)}
+        assert len(layers) == 2 and layers[threads[0]] == layers[threads[1]], order

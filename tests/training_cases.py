@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -151,3 +152,45 @@ def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
     except RuntimeError as e:
         refused = str(e)
     return {"worst": worst, "overlapped": overlapped, "buckets": len(sync.buckets), "refused": refused}
+
+
+def interleaved_step(rank: int, world: int, payload: dict) -> dict:
+    """Two micro-batches per rank run by hp_rewrite.interleave (forward + backward each, taking turns at
+    the exchanges) give the unmodified model's gradients on the concatenated batch, and the gradients of
+    the same micro-batches run one after the other; the MoE blocks of the two micro-batches alternate."""
+    from hp_rewrite import interleave
+
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    sequential = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    per_rank, seq = 4, 8
+    vocab = ref.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (per_rank * world, seq), generator=torch.Generator().manual_seed(6))
+    mine = ids[rank * per_rank : (rank + 1) * per_rank]
+    micro = mine.chunk(2)
+    _lm_loss(ref(input_ids=ids).logits, ids).backward()
+
+    order: list[str] = []
+    blocks = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    for layer, blk in enumerate(blocks):
+        blk.register_forward_pre_hook(lambda m, a, layer=layer: order.append((threading.current_thread().name, layer)))
+
+    def step(m, batch, tag):
+        loss = _lm_loss(m(input_ids=batch).logits, batch) / len(micro)
+        loss.backward()
+        return tag, loss.detach()
+
+    tags = [t for t, _ in interleave([lambda b=b, i=i: step(model, b, i) for i, b in enumerate(micro)])]
+    for b in micro:
+        step(sequential, b, None)
+    sync_gradients(model)
+    sync_gradients(sequential)
+    grad_err, grad_name = _worst(model, ref, lambda p: p.grad, floor_of=lambda ps: max(
+        p.grad.abs().max().item() for p in ps if p.grad is not None) * 1e-3)
+    vs_sequential = max(((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12)).item()
+                        for a, b in zip(model.parameters(), sequential.parameters(), strict=True)
+                        if b.grad is not None)
+    return {"grad_worst": grad_err, "grad_worst_name": grad_name, "vs_sequential": vs_sequential,
+            "tags": tags, "moe_calls": len(order), "blocks": len(blocks), "order": order}

@@ -62,6 +62,7 @@ per-rank per-iteration times, memory, agreement and (with ``--profile``) the pro
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import copy
 import ctypes
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token ids of every batch: uniform over the vocabulary, or Zipf-distributed like text")
     p.add_argument("--calibration-seqs", type=int, default=16,
                    help="sequences of the calibration set the balanced placement is profiled on")
+    p.add_argument("--interleave", type=int, default=2,
+                   help="add hp-ep2-interleaveN (and hp-ep2-balanced-interleaveN): the rank's batch split into N "
+                        "micro-batches run by hp_rewrite.interleave (1: none)")
     p.add_argument("--compare-dedup", action="store_true",
                    help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
     p.add_argument("--oracle-placement", action="store_true",
@@ -250,9 +254,11 @@ class Variant:
     """One model and how to run a training step on it; ``step`` returns timings and keeps the last outputs."""
 
     def __init__(self, name: str, model, ids: torch.Tensor, labels: torch.Tensor, denom: int,
-                 grad_sync: list[torch.nn.Parameter] | None = None, overlapped_sync=None) -> None:
+                 grad_sync: list[torch.nn.Parameter] | None = None, overlapped_sync=None,
+                 micro_batches: int = 1) -> None:
         self.name, self.model, self.ids, self.labels, self.denom = name, model, ids, labels, denom
         self.grad_sync = grad_sync
+        self.micro_batches = micro_batches  # > 1: hp_rewrite.interleave over that many micro-batches
         self.overlapped_sync = overlapped_sync  # hp_rewrite.gradient_sync: all-reduces during backward
         self.logits: torch.Tensor | None = None
 
@@ -260,11 +266,23 @@ class Variant:
         for p in self.model.parameters():
             p.grad = None
         q0, c0, t0 = runqueue_s(), time.process_time(), time.perf_counter()
-        logits = self.model(input_ids=self.ids, use_cache=False).logits
-        loss = loss_of(logits, self.labels, self.denom)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
+        if self.micro_batches > 1:  # forward + backward of each micro-batch, taking turns at the exchanges
+            from hp_rewrite import interleave
+
+            def micro_step(ids, labels):
+                out = self.model(input_ids=ids, use_cache=False).logits
+                loss_of(out, labels, self.denom).backward()
+                return out.detach()
+
+            parts = zip(self.ids.chunk(self.micro_batches), self.labels.chunk(self.micro_batches), strict=True)
+            logits = torch.cat(interleave([functools.partial(micro_step, i, lab) for i, lab in parts]))
+            t1 = t2 = time.perf_counter()  # one interleaved phase: reported as forward, backward 0
+        else:
+            logits = self.model(input_ids=self.ids, use_cache=False).logits
+            loss = loss_of(logits, self.labels, self.denom)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
         if self.overlapped_sync is not None:
             self.overlapped_sync.wait()
         if self.grad_sync:
@@ -284,7 +302,7 @@ class Variant:
 
 
 def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, denom,
-             overlap: bool = False) -> tuple[Variant, dict]:
+             overlap: bool = False, micro_batches: int = 1) -> tuple[Variant, dict]:
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import analyze, install, write
     from hp_rewrite.runtime import build_expert_parallel_group
@@ -307,7 +325,7 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
             "archetype": analysis.matched[0].archetype.as_dict() if analysis.matched else None,
             "artifact": str(artifact.directory)}
     if not overlap:  # the replicated gradients' all-reduce (sum) after backward, in one bucket
-        return Variant(name, model, ids, labels, denom, grad_sync=replicated), info
+        return Variant(name, model, ids, labels, denom, grad_sync=replicated, micro_batches=micro_batches), info
     # hp_rewrite.gradient_sync: buckets all-reduced during backward. It averages over the world (the
     # contract for a per-rank mean loss); this loss is already divided by both ranks' tokens, so its
     # gradients are half the sum, and the checks scale them by the world size.
@@ -404,8 +422,14 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["compare_dedup"]:  # the plain exchange: one row per routed slot
         for name in [n for n in plans if n in (HP, BALANCED)]:
             plans[f"{name}-no-dedup"] = plans[name] + "runtime:\n  dedup: false\n"
+    micro = {}
+    if payload["interleave"] > 1:  # the same plans, the batch split into micro-batches that take turns
+        for name in [n for n in plans if n in (HP, BALANCED)]:
+            micro[f"{name}-interleave{payload['interleave']}"] = plans[name]
+        plans.update(micro)
     for name, text in plans.items():
-        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC)
+        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC,
+                                 micro_batches=payload["interleave"] if name in micro else 1)
         variants.append(v)
     try:
         v, info[NATIVE] = build_native(Path(payload["ckpt"]), attn, ids, labels, denom)
@@ -685,7 +709,7 @@ def main(argv: list[str] | None = None) -> None:
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path, "tokens": a.tokens,
-                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
+                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "interleave": a.interleave, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
             ranks = run_world(WORLD, "tools.bench_e2e:worker", payload, timeout=a.timeout)

@@ -13,6 +13,7 @@ from .experts import ExpertsLayout, LocalBatch, local_experts_forward, resolve_c
 from .gradients import GradientSync, expert_parameters, sync_gradients
 from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
 from .install import ExpertParallelBinding, install_expert_parallel
+from .turns import interleave
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
@@ -40,6 +41,7 @@ __all__ = [
     "expert_capacity",
     "experts_and_combine",
     "install_expert_parallel",
+    "interleave",
     "local_experts_forward",
     "merge_shared",
     "moe_forward",

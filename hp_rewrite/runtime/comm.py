@@ -4,6 +4,9 @@ Works on any backend with ``all_to_all_single`` and uneven splits (gloo, nccl, h
 an exchange is the reverse exchange (the split sizes swap), so gradients return to the rank that sent
 each row. Ranks that send or receive zero rows still take part in every collective, so the sequence of
 collectives is identical on every rank.
+
+Before every blocking wait or collective the runtime calls :func:`~.turns.give_turn`, so that
+micro-batches run by :func:`~.turns.interleave` compute while another one's exchange is in flight.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+
+from .turns import give_turn
 
 
 class ExchangeError(RuntimeError):
@@ -49,12 +54,14 @@ class _AllToAll(Function):
     def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        give_turn()
         out, _ = _exchange(x, out_splits, in_splits, group, async_op=False)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
+        give_turn()
         g, _ = _exchange(grad, in_splits, out_splits, ctx.group, async_op=False)
         return g, None, None, None
 
@@ -75,6 +82,8 @@ class PendingExchange:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             assert self.buffer is not None
+            if self.work is not None:
+                give_turn()
             self._result = _AllToAllWait.apply(self.buffer, self)
             self.buffer = None
         return self._result
@@ -106,6 +115,7 @@ class _AllToAllStart(Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         link = ctx.link
+        give_turn()
         if link.received is None:  # Wait's backward did not run: exchange now
             received, _ = _exchange(grad, link.in_splits, link.out_splits, link.group, async_op=False)
             return received, None, None, None, None
@@ -176,6 +186,7 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> to
     if group is None:
         return counts
     out = torch.empty_like(counts)
+    give_turn()
     try:
         dist.all_to_all_single(out, counts.contiguous(), group=group)
     except RuntimeError as e:

@@ -1,0 +1,116 @@
+"""Micro-batches on one rank that take turns at the runtime's all-to-all waits.
+
+While one micro-batch waits for its exchange (the bytes in flight, or a peer rank still computing
+its experts), another one computes: its attention, its experts, its backward. This is the
+two-micro-batch overlap of large MoE trainers, done without touching the model's code: each
+micro-batch runs in its own thread, and exactly one thread runs at a time. A thread hands its turn
+to the next one only at fixed points of the runtime (before each blocking wait or collective), so
+every rank issues its collectives in the same order and the schedule does not depend on timing.
+
+CPU graphs run their backward on the calling thread, so the backward passes take turns too. On
+CUDA, autograd runs the backward on its device thread, which has no turn to give: there the forward
+passes interleave and each backward runs whole (correct, with less overlap).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class _Turns:
+    """Whose turn it is among ``n`` micro-batch threads; finished threads are skipped."""
+
+    def __init__(self, n: int) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.live = [True] * n
+
+    def _pass_on(self, i: int) -> None:
+        n = len(self.live)
+        for step in range(1, n + 1):
+            j = (i + step) % n
+            if self.live[j]:
+                self.turn = j
+                break
+        self.cond.notify_all()
+
+    def wait_for(self, i: int) -> None:
+        with self.cond:
+            while self.turn != i:
+                self.cond.wait()
+
+    def switch(self, i: int) -> None:
+        with self.cond:
+            self._pass_on(i)
+            while self.turn != i:
+                self.cond.wait()
+
+    def finish(self, i: int) -> None:
+        with self.cond:
+            self.live[i] = False
+            self._pass_on(i)
+
+
+# The turn-taking of the thread that runs a micro-batch (unset everywhere else). A context variable,
+# like torch's own grad mode: each interleave() call sets it in the threads it starts, nowhere else.
+_TURN: ContextVar[tuple[_Turns, int] | None] = ContextVar("hp_rewrite_turn", default=None)
+
+
+def give_turn() -> None:
+    """Let the next micro-batch run until it reaches a wait of its own; no-op outside :func:`interleave`.
+
+    Called by the runtime right before it blocks on an exchange.
+    """
+    current = _TURN.get()
+    if current is not None:
+        turns, i = current
+        turns.switch(i)
+
+
+def interleave(steps: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``steps`` (one per micro-batch, e.g. forward + loss + backward) taking turns at every
+    all-to-all wait of the expert-parallel runtime; return their results in order.
+
+    Every rank of the EP group must call it with the same number of steps doing the same kind of work
+    (same model, same number of MoE layers per step), as they would run the steps one after another.
+    Gradients accumulate into ``.grad`` as over sequential micro-batches: synchronise them after the
+    call (``sync_gradients``), not with hooks that expect one backward per step. Grad mode is carried
+    into the threads; other thread-local torch state (autocast) is not: enter it inside the step.
+    If a step raises, the others still run to the end (their peers expect their collectives) and the
+    first error is raised here.
+    """
+    n = len(steps)
+    if n == 0:
+        return []
+    turns = _Turns(n)
+    results: list = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    grad_enabled = torch.is_grad_enabled()
+
+    def run(i: int) -> None:
+        _TURN.set((turns, i))
+        turns.wait_for(i)
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                results[i] = steps[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller below
+            errors[i] = e
+        finally:
+            turns.finish(i)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"hp-micro-batch-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
