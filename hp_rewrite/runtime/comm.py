@@ -182,13 +182,16 @@ def exchange(
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable."""
+    """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable.
+
+    Started before the turn is given away, so it completes while another micro-batch computes."""
     if group is None:
         return counts
     out = torch.empty_like(counts)
-    give_turn()
     try:
-        dist.all_to_all_single(out, counts.contiguous(), group=group)
+        work = dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
+        give_turn()
+        work.wait()
     except RuntimeError as e:
         raise _peer_failure(group, e) from e
     return out

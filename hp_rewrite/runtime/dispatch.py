@@ -49,8 +49,10 @@ class DispatchStats:
     tokens_per_expert: [E] slots this rank routed to each expert (after capacity).
     dropped_per_expert: [E] slots this rank dropped for capacity (zeros when dropless).
     rows_sent / rows_received: rows this rank sent / received in the dispatch exchange (to and from
-        itself included); the combine exchange moves the same counts back.
-    bytes_sent / bytes_received: the same in bytes, dispatch direction (combine is symmetric).
+        itself included; with dedup one per (token, destination rank)); the combine exchange moves the
+        same counts back.
+    bytes_sent / bytes_received: the same in bytes, dispatch direction (with dedup each row also carries
+        its 2k side values; the combine rows do not).
     """
 
     tokens_per_expert: torch.Tensor
