@@ -3,7 +3,7 @@
 While one micro-batch waits for its exchange (the bytes in flight, or a peer rank still computing
 its experts), another one computes: its attention, its experts, its backward. This is the
 two-micro-batch overlap of large MoE trainers, done without touching the model's code: each
-micro-batch runs in its own thread, and exactly one thread runs at a time. A thread hands its turn
+micro-batch runs in its own thread (the last one in the caller's), and exactly one thread runs at a time. A thread hands its turn
 to the next one only at fixed points of the runtime (before each blocking wait or collective), so
 every rank issues its collectives in the same order and the schedule does not depend on timing.
 
@@ -95,7 +95,7 @@ def interleave(steps: Sequence[Callable[[], T]]) -> list[T]:
     grad_enabled = torch.is_grad_enabled()
 
     def run(i: int) -> None:
-        _TURN.set((turns, i))
+        token = _TURN.set((turns, i))
         turns.wait_for(i)
         try:
             with torch.set_grad_enabled(grad_enabled):
@@ -104,10 +104,14 @@ def interleave(steps: Sequence[Callable[[], T]]) -> list[T]:
             errors[i] = e
         finally:
             turns.finish(i)
+            _TURN.reset(token)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"hp-micro-batch-{i}") for i in range(n)]
+    # The last step runs on the calling thread: it usually finishes last, and then no thread's exit
+    # (which can take a scheduler tick to be noticed) delays the caller.
+    threads = [threading.Thread(target=run, args=(i,), name=f"hp-micro-batch-{i}") for i in range(n - 1)]
     for t in threads:
         t.start()
+    run(n - 1)
     for t in threads:
         t.join()
     for e in errors:
