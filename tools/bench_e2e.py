@@ -62,10 +62,10 @@ per-rank per-iteration times, memory, agreement and (with ``--profile``) the pro
 from __future__ import annotations
 
 import argparse
-import functools
 import contextlib
 import copy
 import ctypes
+import functools
 import json
 import os
 import platform

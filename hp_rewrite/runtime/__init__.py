@@ -13,10 +13,10 @@ from .experts import ExpertsLayout, LocalBatch, local_experts_forward, resolve_c
 from .gradients import GradientSync, expert_parameters, sync_gradients
 from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
 from .install import ExpertParallelBinding, install_expert_parallel
-from .turns import interleave
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
+from .turns import interleave
 
 __all__ = [
     "CapacityResult",
