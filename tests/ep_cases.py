@@ -391,7 +391,6 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
         want = torch.bincount(r.indices.reshape(-1), minlength=E)
         result["stats_ok"] = bool(torch.equal(ep_blk.experts.hp_last_stats.tokens_per_expert, want))
-    result["lent"] = list(ep_blk.experts.hp_last_stats.lent_experts)
     if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
         sync_blk = copy.deepcopy(ref_blk)
         sync_opts = RuntimeOptions(**{**case.get("options", {}), "overlap": False})

@@ -30,7 +30,6 @@ def test_defaults_are_valid() -> None:
         "drop_policy": "probs",
         "renormalize_kept": False,
         "dedup": True,
-        "lend_experts": 0,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True
@@ -48,12 +47,8 @@ def test_defaults_are_valid() -> None:
         ({"capacity_factor": -1.0}, ["capacity_factor=-1.0", "> 0"]),
         ({"drop_policy": "random"}, ["drop_policy", "'random'", "probs", "position"]),
         ({"dedup": 1}, ["dedup=1", "true or false"]),
-        ({"lend_experts": -1}, ["lend_experts=-1", ">= 0"]),
-        ({"lend_experts": True}, ["lend_experts=True", ">= 0"]),
-        ({"lend_experts": 2, "capacity_factor": 1.0}, ["lend_experts=2", "capacity_factor=1.0", "null"]),
     ],
-    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy", "dedup",
-         "lend_negative", "lend_bool", "lend_with_capacity"],
+    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy", "dedup"],
 )
 def test_runtime_options_validation(kwargs: dict, fragments: list[str]) -> None:
     with pytest.raises(ExpertParallelError) as info:

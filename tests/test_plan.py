@@ -116,7 +116,6 @@ CHANGES = [
     "runtime: {drop_policy: position}",
     "runtime: {renormalize_kept: true}",
     "runtime: {dedup: false}",
-    "runtime: {lend_experts: 2}",
     "runtime: {router_dtype: fp32}",
     "runtime: {timeout_s: 120}",
     "output: {dir: generated}",
@@ -279,13 +278,6 @@ ERRORS = [
     (HEAD + "modules:\n  include: model.layers.*.mlp\n", 4, "modules.include", ["must be a list"]),
     (HEAD + "modules:\n  include: [3]\n", 4, "modules.include[0]", ["must be a string", "got 3"]),
     (HEAD + "runtime: 4\n", 3, "runtime", ["must be a mapping", "got 4"]),
-    (HEAD + "runtime:\n  lend_experts: -1\n", 4, "runtime.lend_experts", [">= 0"]),
-    (
-        HEAD + "runtime:\n  lend_experts: 2\n  capacity_factor: 1.0\n",
-        4,
-        "runtime",
-        ["lend_experts and capacity_factor", "lend_experts: 0 or capacity_factor: null"],
-    ),
     (HEAD + "output:\n  dir: ''\n", 4, "output.dir", ["must not be empty"]),
     (
         HEAD + "extensions:\n  - ok.module\n  - not-a-module\n",

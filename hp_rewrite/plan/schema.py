@@ -114,18 +114,8 @@ class RuntimeSection(_Section):
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
     dedup: bool = True
-    lend_experts: int = Field(0, ge=0)
     router_dtype: RouterDtype = "auto"
     timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _lending_without_capacity(self) -> RuntimeSection:
-        if self.lend_experts and self.capacity_factor is not None:
-            raise ValueError(
-                "lend_experts and capacity_factor cannot be combined (capacity counts slots per expert "
-                "before any lending): set lend_experts: 0 or capacity_factor: null"
-            )
-        return self
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
@@ -139,7 +129,6 @@ class RuntimeSection(_Section):
             drop_policy=self.drop_policy,
             renormalize_kept=self.renormalize_kept,
             dedup=self.dedup,
-            lend_experts=self.lend_experts,
         )
 
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import comm, dedup, lending
+from . import comm, dedup
 from .capacity import apply_capacity, count_per_expert
-from .experts import ExpertsLayout, LocalBatch, local_experts_forward
+from .experts import LocalBatch, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 
@@ -53,7 +53,6 @@ class DispatchStats:
         same counts back.
     bytes_sent / bytes_received: the same in bytes, dispatch direction (with dedup each row also carries
         its 2k side values; the combine rows do not).
-    lent_experts: the experts lent this step (``lend_experts``); their slots are not in the rows.
     """
 
     tokens_per_expert: torch.Tensor
@@ -62,7 +61,6 @@ class DispatchStats:
     rows_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    lent_experts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,8 +91,6 @@ class RoutedDispatch:
     stats: DispatchStats
     placement: ExpertPlacement
     done: bool = field(default=False)
-    lent: lending.LentSlots | None = None  # slots of experts lent this step: computed here
-    hidden: torch.Tensor | None = None  # the [T, H] input, for the lent slots
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
@@ -156,13 +152,6 @@ def dispatch(
     else:
         dropped = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
 
-    lent = None
-    if options.lend_experts and ep.size > 1:  # every rank sees the same table and picks the same experts
-        table = lending.gather_counts(count_per_expert(indices.reshape(-1), num_experts), ep)
-        chosen = lending.choose_lent(table, placement, options.lend_experts)
-        if chosen:
-            indices, weights, lent = lending.split_lent(indices, weights, chosen, table[ep.rank], num_experts, placement)
-
     slot_of = None if placement.is_contiguous else placement.slot_table(indices.device)
     slots = indices if slot_of is None else slot_of[indices]  # sort by owner slot, not expert id
     bounds = _chunk_bounds(num_tokens, options.chunks)
@@ -192,11 +181,6 @@ def dispatch(
     row_bytes = hidden.shape[-1] * hidden.element_size()
     per_slot = counts_all.sum(0)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    if lent is not None:  # lent slots were routed all the same
-        extra = torch.zeros(num_experts, dtype=torch.int64)
-        extra[lent.experts] = torch.tensor(lent.counts, dtype=torch.int64)
-        stats.tokens_per_expert = stats.tokens_per_expert + extra.to(stats.tokens_per_expert.device)
-        stats.lent_experts = tuple(lent.experts)
     if use_dedup:  # each row carries its weights and local ids
         row_bytes += 2 * top_k * torch.finfo(dedup.side_dtype(weights.dtype)).bits // 8
     chunks = []
@@ -228,8 +212,7 @@ def dispatch(
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
     return RoutedDispatch(
-        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement,
-        lent=lent, hidden=hidden if lent is not None else None,
+        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement
     )
 
 
@@ -259,7 +242,6 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     ep, opts = state.ep, state.options
     combines = []
     k, hidden_size = state.top_k, state.hidden_shape[-1]
-    lent_out = None if state.lent is None else _lent_forward(state, experts)  # while the dispatch is in flight
     for chunk in state.chunks:
         x = chunk.exchange.wait()
         if chunk.sent is not None:  # dedup: one row per token, its local experts in the side tensor
@@ -300,20 +282,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         weighted = torch.bmm(w.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, k, hidden_size))
         outs.append(weighted.squeeze(1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if lent_out is not None:
-        out = out + lent_out
     return out.to(state.hidden_dtype)
-
-
-def _lent_forward(state: RoutedDispatch, experts: nn.Module) -> torch.Tensor:
-    """``[T, H]``: this rank's slots of the lent experts, computed here with copies of their weights."""
-    lent, layout = state.lent, getattr(experts, "hp_layout", None) or ExpertsLayout.of(experts)
-    holder = lending.lent_experts(experts, layout, lent, state.placement, state.ep)
-    x = state.hidden.index_select(0, lent.tokens)
-    y = local_experts_forward(holder, LocalBatch.from_counts(x, lent.counts, state.options.compute), layout)
-    dtype = torch.promote_types(y.dtype, lent.weights.dtype)
-    out = y.new_zeros((state.num_tokens, state.hidden_shape[-1]), dtype=dtype)
-    return out.index_add(0, lent.tokens, y.to(dtype) * lent.weights.to(dtype).unsqueeze(1))
 
 
 def moe_forward(

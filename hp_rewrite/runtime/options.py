@@ -33,10 +33,6 @@ class RuntimeOptions:
         and weights) instead of once per routed slot; the owning rank sums its experts' weighted
         outputs and sends one row back. With top-k > 1 this cuts both exchanges, forward and
         backward. Off: one row per routed slot, and the weighted sum happens on the sending rank.
-    lend_experts: at most this many experts per layer and step are lent by the rank the batch
-        overloads: every rank computes its own slots of a lent expert with a copy of its weights
-        (received in one all-to-all; gradients summed back to the owner) instead of sending them.
-        0 = off. Not with capacity_factor (dropping decides per expert before any lending).
     """
 
     compute: ComputeKind = "auto"
@@ -46,7 +42,6 @@ class RuntimeOptions:
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
     dedup: bool = True
-    lend_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_KINDS:
@@ -63,13 +58,6 @@ class RuntimeOptions:
             )
         if not isinstance(self.dedup, bool):
             raise ExpertParallelError(f"dedup={self.dedup!r}: must be true or false")
-        if isinstance(self.lend_experts, bool) or not isinstance(self.lend_experts, int) or self.lend_experts < 0:
-            raise ExpertParallelError(f"lend_experts={self.lend_experts!r}: must be an integer >= 0 (0 = off)")
-        if self.lend_experts and self.capacity_factor is not None:
-            raise ExpertParallelError(
-                f"lend_experts={self.lend_experts} with capacity_factor={self.capacity_factor}: lending moves "
-                "slots that capacity would count per expert; set lend_experts: 0 or capacity_factor: null"
-            )
 
     def as_dict(self) -> dict:
         """Plain dict, stable key order (used in artifact hashes)."""
