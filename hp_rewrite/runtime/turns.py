@@ -59,7 +59,8 @@ class _Turns:
 
 
 # The turn-taking of the thread that runs a micro-batch (unset everywhere else). A context variable,
-# like torch's own grad mode: each interleave() call sets it in the threads it starts, nowhere else.
+# like torch's own grad mode: interleave() sets it in each thread while that thread runs a step (the
+# caller's thread included, for the last step) and resets it afterwards.
 _TURN: ContextVar[tuple[_Turns, int] | None] = ContextVar("hp_rewrite_turn", default=None)
 
 
