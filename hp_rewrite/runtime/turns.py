@@ -107,8 +107,7 @@ def interleave(steps: Sequence[Callable[[], T]]) -> list[T]:
             turns.finish(i)
             _TURN.reset(token)
 
-    # The last step runs on the calling thread: it usually finishes last, and then no thread's exit
-    # (which can take a scheduler tick to be noticed) delays the caller.
+    # The last step runs on the calling thread: one thread fewer to start and join.
     threads = [threading.Thread(target=run, args=(i,), name=f"hp-micro-batch-{i}") for i in range(n - 1)]
     for t in threads:
         t.start()
