@@ -5,8 +5,9 @@ once per slot and brings back one expert output per slot; here it travels once p
 small side tensor naming its experts there (local ids, -1 where the slot is not on that rank) and
 their routing weights. The owning rank runs each (row, expert) pair through the grouped GEMMs in the
 same order as the plain path (expert-major, then source rank, token, slot), weights the outputs and
-adds them per row, and sends back one partial sum per row. The sending rank adds its partials over
-the destination ranks in ascending rank order (a padded sum, no atomics: deterministic everywhere).
+adds them per row (``index_add``, as transformers' own expert loop adds its outputs; on CUDA the
+order of those adds follows atomics), and sends back one partial sum per row. The sending rank adds
+its partials over the destination ranks in ascending rank order (a padded sum: deterministic).
 
 Everything here is differentiable where it must be: the weights travel inside the side tensor, so the
 router gradient is computed where the expert outputs are and returns through the reverse exchange.
