@@ -13,8 +13,6 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
   a1. ``hp-ep2-overlap-sync`` the same, with the gradients synchronised during backward by ``GradientSync``
                          (what ``hp_rewrite.gradient_sync(model)`` returns): 25 MB buckets, as DDP does.
   a2. ``hp-ep2-chunksN`` the same with ``runtime: {chunks: N}`` (``--hp-chunks``).
-  a4. ``hp-ep2-no-dedup``, ``hp-ep2-balanced-no-dedup`` (``--compare-dedup``): the same with ``runtime: {dedup:
-                         false}``, the plain exchange (one row per routed slot, weighted sum on the sender).
   a3. ``hp-ep2-balanced`` the same with ``placement: {strategy: balanced, profile: ...}``: before the ranks start,
                          ``hp-rewrite profile``'s recorder counts the tokens per expert of the seeded model on a
                          *calibration* set (``--calibration-seqs`` sequences, 16 by default; token ids drawn with
@@ -22,6 +20,11 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
                          over the ranks to even out that load (``--no-balanced``: skip). This random-weight
                          model routes very differently from one batch of 4 sequences to the next, so a static
                          placement can only remove the part of the imbalance that the calibration set shares.
+  a4. ``hp-ep2-no-dedup``, ``hp-ep2-balanced-no-dedup`` (``--compare-dedup``): the same with ``runtime: {dedup:
+                         false}``, the plain exchange (one row per routed slot, weighted sum on the sender).
+  a5. ``hp-ep2-interleaveN``, ``hp-ep2-balanced-interleaveN`` (``--interleave N``, 2 by default, 1: none): the
+                         rank's batch split into N micro-batches whose forward + loss + backward run through
+                         ``hp_rewrite.interleave`` (taking turns at the exchanges); the gradient all-reduce after.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights

@@ -340,37 +340,28 @@ def layer_cost(
         shared=formulas.shared_flops(tokens, lay.shared, lay.shared_gate, par.t_exp),
     )
     counts = COUNT_BYTES * knobs.chunks * (lay.num_experts + (ep if dedup else 0)) if ep > 1 else 0
-    if dedup:
+    if dedup:  # one row per (token, destination rank), carrying 2k float32 side columns
         kept_share = kept / (ep * tokens * k) if tokens and k else 0.0
         hits = [hit_probability(x / kept if kept else 1.0 / ep, lay.num_experts, k) * kept_share for x in loads.rows]
         sent, received = tokens * sum(hits), ep * tokens * hits[r]
-        side = 2 * k * SIDE_BYTES
-        exchange = Exchange(
-            rows_sent=sent,
-            rows_received=received,
-            bytes_sent=sent * (row_bytes + side),
-            bytes_received=received * (row_bytes + side),
-            remote_bytes_sent=(sent - tokens * hits[r]) * (row_bytes + side),
-            remote_bytes_received=received * (ep - 1) / ep * (row_bytes + side),
-            count_bytes=counts,
-            combine_bytes_sent=received * row_bytes,
-            combine_bytes_received=sent * row_bytes,
-            estimated=True,
-        )
-    else:
-        sent = kept / ep  # every rank routes like the histogram: its share of the kept slots
-        share = rows / kept if kept else 1.0 / ep
-        exchange = Exchange(
-            rows_sent=sent,
-            rows_received=rows,
-            bytes_sent=sent * row_bytes,
-            bytes_received=rows * row_bytes,
-            remote_bytes_sent=sent * (1 - share) * row_bytes,
-            remote_bytes_received=rows * (ep - 1) / ep * row_bytes,
-            count_bytes=counts,
-            combine_bytes_sent=rows * row_bytes,
-            combine_bytes_received=sent * row_bytes,
-        )
+        remote_sent = sent - tokens * hits[r]
+        dispatch_row = row_bytes + 2 * k * SIDE_BYTES
+    else:  # one row per routed slot; every rank routes like the histogram: its share of the kept slots
+        sent, received = kept / ep, rows
+        remote_sent = sent * (1 - (rows / kept if kept else 1.0 / ep))
+        dispatch_row = row_bytes
+    exchange = Exchange(
+        rows_sent=sent,
+        rows_received=received,
+        bytes_sent=sent * dispatch_row,
+        bytes_received=received * dispatch_row,
+        remote_bytes_sent=remote_sent * dispatch_row,
+        remote_bytes_received=received * (ep - 1) / ep * dispatch_row,
+        count_bytes=counts,
+        combine_bytes_sent=received * row_bytes,
+        combine_bytes_received=sent * row_bytes,
+        estimated=dedup,
+    )
     local = lay.num_experts // ep if lay.num_experts % ep == 0 else lay.num_experts / ep
     return LayerCost(
         path=lay.path,
