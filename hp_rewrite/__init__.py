@@ -3,9 +3,8 @@
 ``hp_rewrite.auto_patch(plan)`` / ``hp_rewrite.from_pretrained(model_dir, plan=...)`` return
 rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract after
 backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP);
-``hp_rewrite.interleave(steps)`` runs micro-batches that compute while another one's all-to-all is
-in flight. The
-routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
+``hp_rewrite.Interleaver`` (``hp_rewrite.interleave(steps)`` for one call) runs micro-batches that
+compute while another one's all-to-all is in flight. The routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
 """
 
 __version__ = "0.1.0"
@@ -19,6 +18,7 @@ _LAZY = {
     "gradient_sync": "hp_rewrite.training",
     "save_pretrained": "hp_rewrite.loading.save",
     "interleave": "hp_rewrite.runtime.turns",
+    "Interleaver": "hp_rewrite.runtime.turns",
 }
 
 

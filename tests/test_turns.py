@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hp_rewrite import interleave
+from hp_rewrite import Interleaver, interleave
 from hp_rewrite.runtime.turns import give_turn
 
 
@@ -75,3 +75,35 @@ def test_grad_mode_is_carried_into_the_steps() -> None:
 def test_outside_interleave_give_turn_does_nothing() -> None:
     give_turn()
     assert interleave([]) == []
+
+
+def test_a_kept_interleaver_reuses_its_threads_and_stops_them() -> None:
+    log: list[str] = []
+    seen: set[int] = set()
+
+    def record(step):
+        def wrapped():
+            seen.add(threading.get_ident())
+            return step()
+        return wrapped
+
+    with Interleaver() as il:
+        for _ in range(3):
+            assert il.run([record(s) for s in _steps(log, {"a": 2, "b": 2})]) == ["a", "b"]
+        workers = [t for t in threading.enumerate() if t.name.startswith("hp-micro-batch-")]
+        assert len(workers) == 1 and workers[0].ident in seen  # one worker for step a, every call
+        assert seen == {workers[0].ident, threading.get_ident()}  # step b on the caller's thread
+        assert il.run([]) == []
+    assert not workers[0].is_alive()
+    assert log == ["a0", "b0", "a1", "b1"] * 3
+    with pytest.raises(RuntimeError, match="after close"):
+        il.run([lambda: None])
+
+
+def test_a_kept_interleaver_survives_an_error_and_grows() -> None:
+    log: list[str] = []
+    with Interleaver() as il:
+        with pytest.raises(ValueError, match="boom"):
+            il.run([lambda: (_ for _ in ()).throw(ValueError("boom")), lambda: "ok"])
+        assert il.run(_steps(log, {"a": 1, "b": 2, "c": 1})) == ["a", "b", "c"]  # a third step: one more worker
+    assert log == ["a0", "b0", "c0", "b1"]

@@ -155,10 +155,10 @@ def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
 
 
 def interleaved_step(rank: int, world: int, payload: dict) -> dict:
-    """Two micro-batches per rank run by hp_rewrite.interleave (forward + backward each, taking turns at
-    the exchanges) give the unmodified model's gradients on the concatenated batch, and the gradients of
+    """Two micro-batches per rank run by a kept hp_rewrite.Interleaver (forward + backward each, taking
+    turns at the exchanges; the second of two steps, on the kept thread, is checked) give the unmodified model's gradients on the concatenated batch, and the gradients of
     the same micro-batches run one after the other; the MoE blocks of the two micro-batches alternate."""
-    from hp_rewrite import interleave
+    from hp_rewrite import Interleaver
 
     torch.set_num_threads(1)
     ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
@@ -182,7 +182,12 @@ def interleaved_step(rank: int, world: int, payload: dict) -> dict:
         loss.backward()
         return tag, loss.detach()
 
-    tags = [t for t, _ in interleave([lambda b=b, i=i: step(model, b, i) for i, b in enumerate(micro)])]
+    with Interleaver() as il:  # two training steps on the same kept worker thread; the second is checked
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            order.clear()
+            tags = [t for t, _ in il.run([lambda b=b, i=i: step(model, b, i) for i, b in enumerate(micro)])]
     for b in micro:
         step(sequential, b, None)
     sync_gradients(model)

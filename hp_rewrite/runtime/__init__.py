@@ -16,7 +16,7 @@ from .install import ExpertParallelBinding, install_expert_parallel
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
-from .turns import interleave
+from .turns import Interleaver, interleave
 
 __all__ = [
     "CapacityResult",
@@ -42,6 +42,7 @@ __all__ = [
     "experts_and_combine",
     "install_expert_parallel",
     "interleave",
+    "Interleaver",
     "local_experts_forward",
     "merge_shared",
     "moe_forward",
