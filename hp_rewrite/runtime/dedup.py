@@ -99,14 +99,14 @@ def weighted_rows(
     so no padded ``[R, K, H]`` tensor is built: most of a row's K slots live on other ranks."""
     dtype = torch.promote_types(y.dtype, weights_dtype)
     w = side[:, :top_k].to(weights_dtype).reshape(-1).index_select(0, pairs).to(dtype)
-    out = y.new_zeros((side.shape[0], y.shape[-1]), dtype=dtype)
-    return out.index_add(0, torch.div(pairs, top_k, rounding_mode="floor"), y.to(dtype) * w.unsqueeze(1))
+    out = y.new_zeros((side.shape[0], y.shape[-1]), dtype=dtype)  # in place below: no second [R, H] copy
+    return out.index_add_(0, torch.div(pairs, top_k, rounding_mode="floor"), y.to(dtype) * w.unsqueeze(1))
 
 
 def sum_partials(partials: torch.Tensor, sent: SentRows, num_tokens: int) -> torch.Tensor:
     """``[n, H]``: each token's partial sums added over its destination ranks in ascending rank order."""
     hidden = partials.shape[-1]
-    padded = partials.new_zeros((num_tokens * sent.fan, hidden)).index_copy(0, sent.combine_index, partials)
+    padded = partials.new_zeros((num_tokens * sent.fan, hidden)).index_copy_(0, sent.combine_index, partials)
     if sent.fan == 1:
         return padded
     return padded.view(num_tokens, sent.fan, hidden).sum(1)
