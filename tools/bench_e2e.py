@@ -24,7 +24,8 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
                          false}``, the plain exchange (one row per routed slot, weighted sum on the sender).
   a5. ``hp-ep2-interleaveN``, ``hp-ep2-balanced-interleaveN`` (``--interleave N``, 2 by default, 1: none): the
                          rank's batch split into N micro-batches whose forward + loss + backward run through
-                         ``hp_rewrite.interleave`` (taking turns at the exchanges); the gradient all-reduce after.
+                         a kept ``hp_rewrite.Interleaver`` (taking turns at the exchanges); the gradient
+                         all-reduce after.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights
@@ -46,9 +47,10 @@ and min step time over ``--iters`` timed iterations (the slower rank of each ite
 gradient all-reduce split), CPU time of the step (all threads; waiting excluded), the main thread's run-queue
 wait (``/proc/self/schedstat``: time other processes held the core), tokens/s per rank, time per token relative
 to native EP (the issue's target: hp-rewrite <= 0.8x) by median, by the median of per-iteration paired ratios,
-by min, by CPU time and after subtracting run-queue waits; parameter bytes held per rank, the step's peak RSS
-growth (the kernel's high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`` after ``malloc_trim``
-before each step; ``ru_maxrss`` deltas as a fallback), the max relative error (max |x - ref| / max |ref|) of
+by min, by CPU time and after subtracting run-queue waits; minor page faults per step; parameter bytes held per
+rank, the step's peak RSS growth (the kernel's high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs``
+after ``malloc_trim``; ``ru_maxrss`` deltas as a fallback; measured in ``--memory-rounds`` untimed rounds, since
+timed steps do not trim unless ``--trim-every-step``: a trimmed step page-faults its whole working set again), the max relative error (max |x - ref| / max |ref|) of
 logits and gradients against ``unmodified-b4``, and the rows each EP rank's experts receive per layer (load
 imbalance shows up as waiting in every EP variant). On a shared machine, read the paired, min and CPU ratios.
 
@@ -121,13 +123,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences of the calibration set the balanced placement is profiled on")
     p.add_argument("--interleave", type=int, default=2,
                    help="add hp-ep2-interleaveN (and hp-ep2-balanced-interleaveN): the rank's batch split into N "
-                        "micro-batches run by hp_rewrite.interleave (1: none)")
+                        "micro-batches run by a kept hp_rewrite.Interleaver (1: none)")
     p.add_argument("--compare-dedup", action="store_true",
                    help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
     p.add_argument("--oracle-placement", action="store_true",
                    help="diagnostic: balance the placement on the timed batch itself (a bound, not a fair result)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per variant (the first is checked)")
+    p.add_argument("--memory-rounds", type=int, default=1,
+                   help="untimed iterations per variant, after the warm-up, that measure the step's peak RSS growth "
+                        "(each after malloc_trim)")
+    p.add_argument("--trim-every-step", action="store_true",
+                   help="malloc_trim before every timed step as well (the method of the earlier runs): every timed "
+                        "step then page-faults its whole working set again")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="also profile one step of hp-ep2 and native-ep2")
@@ -136,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the world is killed")
     p.add_argument("--out", type=Path, default=Path("bench-results/bench_e2e.json"))
     a = p.parse_args(argv)
+    if a.memory_rounds < 1 and not a.trim_every_step:
+        p.error("--memory-rounds must be >= 1 (or pass --trim-every-step): the memory columns need a measured step")
     if a.warmup < 1:
         p.error("--warmup must be >= 1: the first iteration's outputs are the ones checked")
     return a
@@ -203,8 +213,8 @@ class MemoryProbe:
     def rss_mb(self) -> float:
         return self._status_kb("VmRSS") / 1024
 
-    def start(self) -> None:
-        if self.libc is not None:
+    def start(self, trim: bool = True) -> None:
+        if trim and self.libc is not None:
             self.libc.malloc_trim(0)  # free heap pages back to the OS, so RSS is the live set
         self.before_mb = self.rss_mb()
         if self.can_reset:
@@ -261,24 +271,28 @@ class Variant:
                  micro_batches: int = 1) -> None:
         self.name, self.model, self.ids, self.labels, self.denom = name, model, ids, labels, denom
         self.grad_sync = grad_sync
-        self.micro_batches = micro_batches  # > 1: hp_rewrite.interleave over that many micro-batches
+        self.micro_batches = micro_batches  # > 1: a kept hp_rewrite.Interleaver over that many micro-batches
+        self.interleaver = None
+        if micro_batches > 1:
+            from hp_rewrite import Interleaver
+
+            self.interleaver = Interleaver()  # its worker thread (and malloc arena) lives from step to step
         self.overlapped_sync = overlapped_sync  # hp_rewrite.gradient_sync: all-reduces during backward
         self.logits: torch.Tensor | None = None
 
     def step(self) -> dict:
         for p in self.model.parameters():
             p.grad = None
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         q0, c0, t0 = runqueue_s(), time.process_time(), time.perf_counter()
-        if self.micro_batches > 1:  # forward + backward of each micro-batch, taking turns at the exchanges
-            from hp_rewrite import interleave
-
+        if self.interleaver is not None:  # forward + backward of each micro-batch, taking turns at the exchanges
             def micro_step(ids, labels):
                 out = self.model(input_ids=ids, use_cache=False).logits
                 loss_of(out, labels, self.denom).backward()
                 return out.detach()
 
             parts = zip(self.ids.chunk(self.micro_batches), self.labels.chunk(self.micro_batches), strict=True)
-            logits = torch.cat(interleave([functools.partial(micro_step, i, lab) for i, lab in parts]))
+            logits = torch.cat(self.interleaver.run([functools.partial(micro_step, i, lab) for i, lab in parts]))
             t1 = t2 = time.perf_counter()  # one interleaved phase: reported as forward, backward 0
         else:
             logits = self.model(input_ids=self.ids, use_cache=False).logits
@@ -300,8 +314,9 @@ class Variant:
         self.logits = logits.detach()
         cpu = time.process_time() - c0  # every thread of the process (gloo's included); not time spent waiting
         runq = runqueue_s() - q0  # main thread runnable but not running: other processes had the core
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0  # first touches of fresh pages, all threads
         return {"step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "grad_sync_s": t3 - t2, "cpu_s": cpu,
-                "runqueue_s": runq}
+                "runqueue_s": runq, "page_faults": faults}
 
 
 def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, denom,
@@ -455,14 +470,19 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     times: dict[str, list[dict]] = {v.name: [] for v in variants}
     memory: dict[str, list[dict]] = {v.name: [] for v in variants}
     agreement: dict[str, dict] = {}
-    for it in range(payload["warmup"] + payload["iters"]):
+    # Memory rounds come first after the warm-up: each step after malloc_trim, so its RSS growth is its live
+    # set. Timed steps do not trim (a training loop does not), unless --trim-every-step asks for the old method.
+    trim_timed = payload["trim_every_step"]
+    rounds = ["warmup"] * payload["warmup"] + ["memory"] * payload["memory_rounds"] + ["timed"] * payload["iters"]
+    for it, kind in enumerate(rounds):
         for v in variants:
             dist.barrier()
-            mem.start()
+            mem.start(trim=kind == "memory" or trim_timed)
             t = v.step()
             m = mem.stop()
-            if it >= payload["warmup"]:
+            if kind == "timed":
                 times[v.name].append(t)
+            if kind == "memory" or (kind == "timed" and trim_timed):
                 memory[v.name].append(m)
         if it == 0:
             agreement = check(variants, ref, mine)
@@ -581,6 +601,7 @@ def summarize(ranks: list[dict]) -> dict:
                    for i in range(len(per_iter))]
         cpu = [max(r["times"][name][i]["cpu_s"] for r in ranks) for i in range(len(per_iter))]
         runq = [max(r["times"][name][i]["runqueue_s"] for r in ranks) for i in range(len(per_iter))]
+        faults = [max(r["times"][name][i]["page_faults"] for r in ranks) for i in range(len(per_iter))]
         # without this rank's own run-queue wait (a peer's delay still shows up as waiting in a collective)
         adjusted = [max(r["times"][name][i]["step_s"] - r["times"][name][i]["runqueue_s"] for r in ranks)
                     for i in range(len(per_iter))]
@@ -592,6 +613,7 @@ def summarize(ranks: list[dict]) -> dict:
             "median_step_s": statistics.median(per_iter), "min_step_s": min(per_iter), "step_s_per_iter": per_iter,
             "median_cpu_s": statistics.median(cpu), "cpu_s_per_iter": cpu,
             "median_runqueue_s": statistics.median(runq), "runqueue_s_per_iter": runq,
+            "median_page_faults": statistics.median(faults), "page_faults_per_iter": faults,
             "median_adjusted_step_s": statistics.median(adjusted), "adjusted_step_s_per_iter": adjusted,
             **{f"median_{k}": v for k, v in parts.items()}, "median_step_excl_grad_sync_s": statistics.median(no_sync),
             "tokens_per_step_per_rank": r0["info"][name]["tokens_per_step"],
@@ -638,11 +660,11 @@ def print_table(results: dict, a: argparse.Namespace, threads: int) -> None:
                         f"threads/rank={threads} iters={a.iters}")
     table.caption = (
         "step times: the slower rank of each iteration; runq = time the main thread waited for a CPU (other "
-        "processes); vs native = time per token / native EP's (median step; median of per-iteration paired ratios; "
+        "processes); faults = minor page faults per step (fresh pages touched, the slower rank); vs native = time per token / native EP's (median step; median of per-iteration paired ratios; "
         "min step; CPU time, all threads; paired ratio of step minus own run-queue wait). Errors vs "
         f"{REFERENCE}: max|x-ref|/max|ref|, grads: worst parameter, summed over ranks. est. peak = base RSS + "
         "params + the step's peak RSS growth")
-    cols = ("variant", "median step s", "min s", "fwd / bwd / sync s", "CPU s", "runq s", "tokens/s/rank",
+    cols = ("variant", "median step s", "min s", "fwd / bwd / sync s", "CPU s", "runq s", "faults k", "tokens/s/rank",
             "vs native EP: median / paired / min / CPU / runq-adj", "params MB/rank", "step +MB", "est. peak RSS MB",
             "logits rel err", "grads rel err")
     for col in cols:
@@ -655,7 +677,8 @@ def print_table(results: dict, a: argparse.Namespace, threads: int) -> None:
         table.add_row(
             name, f"{r['median_step_s']:.3f}", f"{r['min_step_s']:.3f}",
             f"{r['median_forward_s']:.2f} / {r['median_backward_s']:.2f} / {r['median_grad_sync_s']:.2f}",
-            f"{r['median_cpu_s']:.2f}", f"{r['median_runqueue_s']:.2f}", f"{r['tokens_per_s_per_rank']:,.0f}", ratios,
+            f"{r['median_cpu_s']:.2f}", f"{r['median_runqueue_s']:.2f}", f"{r['median_page_faults'] / 1e3:.0f}",
+            f"{r['tokens_per_s_per_rank']:,.0f}", ratios,
             f"{r['param_mb_per_rank']:.1f}", f"{r['step_peak_growth_mb']:.0f}", f"{r['estimated_peak_rss_mb']:.0f}",
             "ref" if name == REFERENCE else f"{r['logits_max_rel']:.1e}",
             "ref" if name == REFERENCE else "-" if r["grads_max_rel"] is None else f"{r['grads_max_rel']:.1e}")
@@ -713,6 +736,7 @@ def main(argv: list[str] | None = None) -> None:
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path, "tokens": a.tokens,
                    "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "interleave": a.interleave, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
+                   "memory_rounds": a.memory_rounds, "trim_every_step": a.trim_every_step,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
             ranks = run_world(WORLD, "tools.bench_e2e:worker", payload, timeout=a.timeout)
@@ -754,7 +778,8 @@ def main(argv: list[str] | None = None) -> None:
         "backend": "gloo", "world": WORLD, "ep_size": EP_SIZE, "attn": a.attn, "iters": a.iters,
         "calibration_seqs": a.calibration_seqs if a.balanced else None, "tokens": a.tokens,
         "oracle_placement": a.oracle_placement,
-        "warmup": a.warmup, "seed": a.seed, "threads_per_rank": a.threads,
+        "warmup": a.warmup, "memory_rounds": a.memory_rounds, "trim_every_step": a.trim_every_step,
+        "seed": a.seed, "threads_per_rank": a.threads,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "accelerate": accelerate.__version__},
         "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
