@@ -23,7 +23,7 @@ from hp_rewrite.cost.profile import record_routing
 from hp_rewrite.cost.ranking import suggest
 from hp_rewrite.cost.routing import Histograms, rank_loads
 from hp_rewrite.cost.spec import MLPShape, ModelSpec, MoELayerSpec, layer_index, model_spec
-from hp_rewrite.cost.timing import exchange_time, forward_schedule
+from hp_rewrite.cost.timing import exchange_time, forward_schedule, layer_time
 from hp_rewrite.launch import run_world
 from hp_rewrite.loading.tiny import build_tiny_model, make_tiny, tiny_config
 from hp_rewrite.plan import parse_plan
@@ -110,6 +110,13 @@ def test_dedup_layer_by_hand() -> None:
     assert (ex.combine_bytes_sent, ex.combine_bytes_received) == (16 * 16, 12 * 16)
     assert (ex.remote_bytes_sent, ex.remote_bytes_received) == (4 * 32, 8 * 32)
     assert ex.step_bytes == 2 * (12 * 32 + 16 * 16) and ex.count_bytes == 8 * (4 + 2)
+    # the time model: the combine moves the same remote rows without the side columns (16 of 32 bytes)
+    hw = _hw(1e12, alpha_s=1e-6, beta_Bps=1e9)
+    dispatch, combine = exchange_time(8 * 32, 2, hw), exchange_time(8 * 16, 2, hw)
+    t = layer_time(c, hw, ep=2, overlap=False)
+    assert t.comm == pytest.approx(exchange_time(ex.count_bytes, 2, hw) + 2 * (dispatch + combine))
+    f = c.forward
+    assert t.backward == pytest.approx((2 * (f.router + f.routed + f.combine) / 1e12) + dispatch + combine)
     # uniform routing, 16 experts, top-4, ep 2: 1 - C(8,4)/C(16,4) = 1 - 70/1820
     assert cost_per_rank.hit_probability(0.5, 16, 4) == pytest.approx(1 - 70 / 1820)
     assert layer_cost(_layer(), Parallel(ep=1), Workload(4, 2)).exchange.rows_sent == 16  # no dedup at ep 1

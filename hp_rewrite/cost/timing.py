@@ -93,16 +93,20 @@ def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap:
     )
     ex = cost.exchange
     biggest = max(ex.remote_bytes_sent, ex.remote_bytes_received)
-    one = exchange_time(biggest, ep, hw)
+    # the combine moves the same rows back, without dedup's side columns
+    combine_share = ex.combine_bytes_sent / ex.bytes_received if ex.bytes_received else 1.0
     per_chunk_alpha = exchange_time(0.0, ep, hw)  # latency of one extra chunk's messages
-    a2a = one + (chunks - 1) * per_chunk_alpha
+    a2a_dispatch = exchange_time(biggest, ep, hw) + (chunks - 1) * per_chunk_alpha
+    a2a_combine = exchange_time(biggest * combine_share, ep, hw) + (chunks - 1) * per_chunk_alpha
     counts = exchange_time(ex.count_bytes, ep, hw)
     fwd = forward_schedule(
-        router, counts, shared, experts, combine_mm, a2a, a2a, chunks, overlap, cost.shared_overlaps_dispatch
+        router, counts, shared, experts, combine_mm, a2a_dispatch, a2a_combine, chunks, overlap,
+        cost.shared_overlaps_dispatch,
     )
-    bwd = 2 * (router + shared + experts + combine_mm) + 2 * a2a
+    a2a = a2a_dispatch + a2a_combine
+    bwd = 2 * (router + shared + experts + combine_mm) + a2a
     compute = 3 * (router + shared + experts + combine_mm)
-    return LayerTime(compute=compute, comm=counts + 4 * a2a, forward=fwd, backward=bwd)
+    return LayerTime(compute=compute, comm=counts + 2 * a2a, forward=fwd, backward=bwd)
 
 
 @dataclass(frozen=True)
