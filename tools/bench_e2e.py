@@ -25,7 +25,8 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
   a5. ``hp-ep2-interleaveN``, ``hp-ep2-balanced-interleaveN`` (``--interleave N``, 2 by default, 1: none): the
                          rank's batch split into N micro-batches whose forward + loss + backward run through
                          a kept ``hp_rewrite.Interleaver`` (taking turns at the exchanges); the gradient
-                         all-reduce after.
+                         all-reduce after. ``--fresh-threads`` adds ``hp-ep2-interleaveN-fresh-threads``:
+                         ``hp_rewrite.interleave`` every step, which starts new worker threads each time.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights
@@ -82,6 +83,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -124,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interleave", type=int, default=2,
                    help="add hp-ep2-interleaveN (and hp-ep2-balanced-interleaveN): the rank's batch split into N "
                         "micro-batches run by a kept hp_rewrite.Interleaver (1: none)")
+    p.add_argument("--fresh-threads", action="store_true",
+                   help="add hp-ep2-interleaveN-fresh-threads: hp_rewrite.interleave every step (new worker threads "
+                        "each time) instead of a kept Interleaver")
     p.add_argument("--compare-dedup", action="store_true",
                    help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
     p.add_argument("--oracle-placement", action="store_true",
@@ -268,15 +273,17 @@ class Variant:
 
     def __init__(self, name: str, model, ids: torch.Tensor, labels: torch.Tensor, denom: int,
                  grad_sync: list[torch.nn.Parameter] | None = None, overlapped_sync=None,
-                 micro_batches: int = 1) -> None:
+                 micro_batches: int = 1, fresh_threads: bool = False) -> None:
         self.name, self.model, self.ids, self.labels, self.denom = name, model, ids, labels, denom
         self.grad_sync = grad_sync
         self.micro_batches = micro_batches  # > 1: a kept hp_rewrite.Interleaver over that many micro-batches
         self.interleaver = None
         if micro_batches > 1:
-            from hp_rewrite import Interleaver
+            from hp_rewrite import Interleaver, interleave
 
-            self.interleaver = Interleaver()  # its worker thread (and malloc arena) lives from step to step
+            # a kept Interleaver: its worker thread (and malloc arena) lives from step to step;
+            # fresh_threads: hp_rewrite.interleave, new threads every step (for comparison)
+            self.interleaver = Interleaver() if not fresh_threads else SimpleNamespace(run=interleave)
         self.overlapped_sync = overlapped_sync  # hp_rewrite.gradient_sync: all-reduces during backward
         self.logits: torch.Tensor | None = None
 
@@ -320,7 +327,7 @@ class Variant:
 
 
 def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, denom,
-             overlap: bool = False, micro_batches: int = 1) -> tuple[Variant, dict]:
+             overlap: bool = False, micro_batches: int = 1, fresh_threads: bool = False) -> tuple[Variant, dict]:
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import analyze, install, write
     from hp_rewrite.runtime import build_expert_parallel_group
@@ -343,7 +350,8 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
             "archetype": analysis.matched[0].archetype.as_dict() if analysis.matched else None,
             "artifact": str(artifact.directory)}
     if not overlap:  # the replicated gradients' all-reduce (sum) after backward, in one bucket
-        return Variant(name, model, ids, labels, denom, grad_sync=replicated, micro_batches=micro_batches), info
+        return Variant(name, model, ids, labels, denom, grad_sync=replicated, micro_batches=micro_batches,
+                       fresh_threads=fresh_threads), info
     # hp_rewrite.gradient_sync: buckets all-reduced during backward. It averages over the world (the
     # contract for a per-rank mean loss); this loss is already divided by both ranks' tokens, so its
     # gradients are half the sum, and the checks scale them by the world size.
@@ -444,10 +452,13 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["interleave"] > 1:  # the same plans, the batch split into micro-batches that take turns
         for name in [n for n in plans if n in (HP, BALANCED)]:
             micro[f"{name}-interleave{payload['interleave']}"] = plans[name]
+        if payload["fresh_threads"]:
+            micro[f"{HP}-interleave{payload['interleave']}-fresh-threads"] = plans[HP]
         plans.update(micro)
     for name, text in plans.items():
         v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC,
-                                 micro_batches=payload["interleave"] if name in micro else 1)
+                                 micro_batches=payload["interleave"] if name in micro else 1,
+                                 fresh_threads=name.endswith("-fresh-threads"))
         variants.append(v)
     try:
         v, info[NATIVE] = build_native(Path(payload["ckpt"]), attn, ids, labels, denom)
@@ -735,7 +746,7 @@ def main(argv: list[str] | None = None) -> None:
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path, "tokens": a.tokens,
-                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "interleave": a.interleave, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
+                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "interleave": a.interleave, "fresh_threads": a.fresh_threads, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "memory_rounds": a.memory_rounds, "trim_every_step": a.trim_every_step,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:
