@@ -4,7 +4,8 @@
 rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract after
 backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP);
 ``hp_rewrite.Interleaver`` (``hp_rewrite.interleave(steps)`` for one call) runs micro-batches that
-compute while another one's all-to-all is in flight. The routed runtime that generated code calls lives in :mod:`hp_rewrite.runtime`.
+compute while another one's all-to-all is in flight. The routed runtime that generated code calls
+lives in :mod:`hp_rewrite.runtime`.
 """
 
 __version__ = "0.1.0"

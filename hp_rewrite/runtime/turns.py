@@ -4,8 +4,9 @@ While one micro-batch waits for its exchange (the bytes in flight, or a peer ran
 its experts), another one computes: its attention, its experts, its backward. This is the
 two-micro-batch overlap of large MoE trainers, done without touching the model's code: each
 micro-batch runs in its own thread (the last one in the caller's; :class:`Interleaver` keeps the
-others between calls), and exactly one thread runs at a time. A thread hands its turn to the next one only at fixed points of the runtime (before each blocking wait or collective), so
-every rank issues its collectives in the same order and the schedule does not depend on timing.
+others between calls), and exactly one thread runs at a time. A thread hands its turn to the next
+one only at fixed points of the runtime (before each blocking wait or collective), so every rank
+issues its collectives in the same order and the schedule does not depend on timing.
 
 CPU graphs run their backward on the calling thread, so the backward passes take turns too. On
 CUDA, autograd runs the backward on its device thread, which has no turn to give: there the forward
@@ -66,13 +67,14 @@ class _Turns:
 
 
 # The turn-taking of the thread that runs a micro-batch (unset everywhere else). A context variable,
-# like torch's own grad mode: interleave() sets it in each thread while that thread runs a step (the
+# like torch's own grad mode: Interleaver.run sets it in each thread while that thread runs a step (the
 # caller's thread included, for the last step) and resets it afterwards.
 _TURN: ContextVar[tuple[_Turns, int] | None] = ContextVar("hp_rewrite_turn", default=None)
 
 
 def give_turn() -> None:
-    """Let the next micro-batch run until it reaches a wait of its own; no-op outside :func:`interleave`.
+    """Let the next micro-batch run until it reaches a wait of its own (no-op outside
+    :meth:`Interleaver.run`).
 
     Called by the runtime right before it blocks on an exchange.
     """
@@ -83,7 +85,7 @@ def give_turn() -> None:
 
 
 class Interleaver:
-    """Runs :func:`interleave`'s micro-batch steps on worker threads that it keeps between calls.
+    """Runs micro-batch steps that take turns at the exchanges, on worker threads kept between calls.
 
     Keep one for a training loop (``with Interleaver() as il: ... il.run(steps)``). The reason is the
     allocator: glibc gives each thread its own malloc arena, and a thread started afresh for every step
@@ -105,7 +107,8 @@ class Interleaver:
     def _worker(self, i: int) -> queue.SimpleQueue:
         while len(self._workers) <= i:
             jobs: queue.SimpleQueue = queue.SimpleQueue()
-            t = threading.Thread(target=_serve, args=(jobs,), name=f"hp-micro-batch-{len(self._workers)}", daemon=True)
+            name = f"hp-micro-batch-{len(self._workers)}"
+            t = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
             t.start()
             self._workers.append((t, jobs))
         return self._workers[i][1]
