@@ -156,8 +156,9 @@ def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
 
 def interleaved_step(rank: int, world: int, payload: dict) -> dict:
     """Two micro-batches per rank run by a kept hp_rewrite.Interleaver (forward + backward each, taking
-    turns at the exchanges; the second of two steps, on the kept thread, is checked) give the unmodified model's gradients on the concatenated batch, and the gradients of
-    the same micro-batches run one after the other; the MoE blocks of the two micro-batches alternate."""
+    turns at the exchanges; the second of two steps, on the kept thread, is checked) give the unmodified
+    model's gradients on the concatenated batch, and the gradients of the same micro-batches run one
+    after the other; the MoE blocks of the two micro-batches alternate."""
     from hp_rewrite import Interleaver
 
     torch.set_num_threads(1)
