@@ -6,7 +6,7 @@ each row. Ranks that send or receive zero rows still take part in every collecti
 collectives is identical on every rank.
 
 Before every blocking wait or collective the runtime calls :func:`~.turns.give_turn`, so that
-micro-batches run by :func:`~.turns.interleave` compute while another one's exchange is in flight.
+micro-batches run by :class:`~.turns.Interleaver` compute while another one's exchange is in flight.
 """
 
 from __future__ import annotations
