@@ -364,8 +364,10 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         r = forced_route(ep_blk, x_ep, routing, ep_size, case.get("top_k", 2))
         return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, **_routed_kw(ep_blk, ep, opts))
 
+    jobs_before = ep.weight_grads.jobs_run
     out = run_ep()
     (out * g[sl]).sum().backward()
+    deferred_jobs = ep.weight_grads.jobs_run - jobs_before  # runtime.defer_expert_grads: weight-gradient GEMMs
 
     errors = {"output": _rel(out, ref_out[sl]), "grad/input": _rel(x_ep.grad, x_ref.grad[sl])}
     layout = ExpertsLayout.of(ep_blk.experts)
@@ -387,6 +389,9 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         errors[f"grad/{name}"] = _rel(grad, ref_grad)
 
     result = {"errors": errors}
+    if opts.defer_expert_grads and ep.size > 1:  # the deferred path ran, and nothing is left queued
+        got_rows = ep_blk.experts.hp_last_stats.rows_received > 0
+        result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(ep.weight_grads) == 0
     if family == "qwen3" and routing == "natural" and not capacity:  # stats are per global expert
         r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
         want = torch.bincount(r.indices.reshape(-1), minlength=E)
@@ -413,6 +418,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
             and not math.isnan(errors[worst])
             and result.get("bitwise_sync_equal", True)
             and result.get("stats_ok", True)
+            and result.get("deferred_ok", True)
         ),
     )
     return result

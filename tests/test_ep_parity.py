@@ -40,6 +40,25 @@ NO_DEDUP_CASES = {
 }
 
 
+DEFER_CASES = {  # runtime.defer_expert_grads: every weight layout, bf16, chunks, capacity, placement, empty ranks
+    "qwen3-fp32",
+    "gpt_oss-fp32",
+    "separate-fp32",
+    "w1w3w2_transposed-fp32",
+    "deepseek_v3-fp32",
+    "qwen3-bf16",
+    "gpt_oss-bf16",
+    "deepseek_v3-chunks2-async-equals-sync",
+    "capacity-probs",
+    "last-rank-receives-nothing",
+    "rank1-sends-nothing-chunks4",
+    "placed-interleaved-qwen3",
+    "placed-balanced-deepseek_v3",
+    "forced-top4-no-dedup",
+    "ep2-of-4-qwen2",
+}
+
+
 def _cases(world: int) -> list[dict]:
     cases = [{"name": f"{f}-fp32", "family": f} for f in FAMILIES]
     cases += [
@@ -137,6 +156,12 @@ def _cases(world: int) -> list[dict]:
             {"name": "ep2-of-4-qwen2", "family": "qwen2", "ep": 2},
             {"name": "ep2-of-4-qwen3-skewed", "family": "qwen3", "ep": 2, "routing": "skewed"},
             {"name": "ep2-of-4-placed-interleaved-qwen2", "family": "qwen2", "ep": 2, "placement": "interleaved"},
+        ]
+    if world > 1:  # expert weight gradients deferred into the backward's exchange waits
+        cases += [
+            {**c, "name": f"{c['name']}-defer", "options": {**c.get("options", {}), "defer_expert_grads": True}}
+            for c in cases
+            if c["name"] in DEFER_CASES
         ]
     return cases
 

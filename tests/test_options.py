@@ -30,6 +30,7 @@ def test_defaults_are_valid() -> None:
         "drop_policy": "probs",
         "renormalize_kept": False,
         "dedup": True,
+        "defer_expert_grads": False,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True
@@ -47,8 +48,10 @@ def test_defaults_are_valid() -> None:
         ({"capacity_factor": -1.0}, ["capacity_factor=-1.0", "> 0"]),
         ({"drop_policy": "random"}, ["drop_policy", "'random'", "probs", "position"]),
         ({"dedup": 1}, ["dedup=1", "true or false"]),
+        ({"defer_expert_grads": "yes"}, ["defer_expert_grads='yes'", "true or false"]),
     ],
-    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy", "dedup"],
+    ids=["compute", "chunks0", "chunks_bool", "chunks_float", "capacity0", "capacity_neg", "drop_policy", "dedup",
+         "defer_expert_grads"],
 )
 def test_runtime_options_validation(kwargs: dict, fragments: list[str]) -> None:
     with pytest.raises(ExpertParallelError) as info:

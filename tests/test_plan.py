@@ -116,6 +116,7 @@ CHANGES = [
     "runtime: {drop_policy: position}",
     "runtime: {renormalize_kept: true}",
     "runtime: {dedup: false}",
+    "runtime: {defer_expert_grads: true}",
     "runtime: {router_dtype: fp32}",
     "runtime: {timeout_s: 120}",
     "output: {dir: generated}",
@@ -172,7 +173,7 @@ def test_to_options_round_trip() -> None:
     plan = parse_plan(
         HEAD
         + "runtime:\n  compute: eager\n  chunks: 4\n  overlap: false\n  capacity_factor: 2\n"
-        + "  drop_policy: position\n  renormalize_kept: true\n  dedup: false\n"
+        + "  drop_policy: position\n  renormalize_kept: true\n  dedup: false\n  defer_expert_grads: true\n"
     )
     opts = plan.runtime.to_options()
     assert opts == RuntimeOptions(
@@ -183,6 +184,7 @@ def test_to_options_round_trip() -> None:
         drop_policy="position",
         renormalize_kept=True,
         dedup=False,
+        defer_expert_grads=True,
     )
     for key, value in opts.as_dict().items():
         assert getattr(plan.runtime, key) == value

@@ -36,6 +36,32 @@ def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, balan
             assert r["aux_rel"] <= TOL, r
 
 
+DEFER = "runtime:\n  defer_expert_grads: true\n"
+
+
+@pytest.mark.parametrize(("world", "ep_size", "model_type"), [(2, 2, "qwen3_moe"), (4, 2, "qwen2_moe")],
+                         ids=["world2-ep2-qwen3_moe", "world4-ep2-qwen2_moe"])
+def test_one_adamw_step_with_deferred_expert_grads(world, ep_size, model_type, tmp_path: Path) -> None:
+    """runtime.defer_expert_grads: the expert weight gradients, computed in the backward's exchange waits
+    and at its end, give the same step as the unmodified model (EP=2, and EP=2 x data parallel 2)."""
+    payload = {"ep_size": ep_size, "model_type": model_type, "aux": False, "out_dir": str(tmp_path),
+               "plan": DEFER}
+    results = run_world(world, "tests.training_cases:training_step", payload)
+    for rank, r in enumerate(results):
+        assert r["grad_worst"] <= TOL, f"rank {rank}: gradient of {r['grad_worst_name']} off by {r['grad_worst']:.2e}"
+        assert r["worst"] <= TOL, f"rank {rank}: {r['worst_name']} differs by {r['worst']:.2e} after one step"
+        assert r["deferred_jobs"] > 0 and r["deferred_left"] == 0, r
+    # the first wait of each backward exchange finds the peer's rows still in flight: jobs ran there
+    assert any(r["deferred_in_waits"] > 0 for r in results), results
+
+
+def test_deferred_expert_grads_refuse_hooks_and_create_graph(tmp_path: Path) -> None:
+    for r in run_world(2, "tests.training_cases:deferred_refusals", {"out_dir": str(tmp_path)}):
+        assert "defer_expert_grads" in r.get("hooked", "") and "gradient hooks" in r["hooked"], r
+        assert "Qwen3MoeExperts.gate_up_proj" in r["hooked"], r  # names the weight
+        assert "create_graph" in r.get("create_graph", ""), r
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m")
@@ -104,9 +130,12 @@ def test_train_ep_example_under_torchrun(tiny_dir: Path) -> None:
     assert "step 1: loss" in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize(("world", "ep_size"), [(2, 2), (4, 2)], ids=["ep2", "ep2xdp2"])
-def test_gradient_sync_during_backward_equals_after(world: int, ep_size: int, tmp_path: Path) -> None:
-    payload = {"model_type": "qwen2_moe", "ep_size": ep_size, "out_dir": str(tmp_path)}
+@pytest.mark.parametrize(("world", "ep_size", "plan"), [(2, 2, ""), (4, 2, ""), (4, 2, DEFER)],
+                         ids=["ep2", "ep2xdp2", "ep2xdp2-deferred-expert-grads"])
+def test_gradient_sync_during_backward_equals_after(world: int, ep_size: int, plan: str, tmp_path: Path) -> None:
+    """With deferred expert gradients (no hooks see them) their buckets start in wait(); still equal to
+    sync_gradients after a backward without deferral."""
+    payload = {"model_type": "qwen2_moe", "ep_size": ep_size, "out_dir": str(tmp_path), "plan": plan}
     for rank, r in enumerate(run_world(world, "tests.training_cases:overlapped_sync", payload)):
         assert r["worst"] <= 1e-6, (rank, r)
         # buckets started while backward was still running: the all-reduce overlapped it
@@ -138,8 +167,9 @@ def test_gradient_sync_single_process_and_errors(tiny_dir: Path, tmp_path: Path)
         (2, 2, "runtime: {dedup: false, overlap: false}\n"),  # the synchronous exchanges take turns too
         (2, 2, "runtime: {chunks: 2}\n"),
         (4, 2, ""),  # EP=2 x DP=2
+        (2, 2, DEFER),  # one micro-batch's weight-gradient jobs may run in the other's waits
     ],
-    ids=["ep2", "ep2-plain-sync", "ep2-chunks2", "ep2xdp2"],
+    ids=["ep2", "ep2-plain-sync", "ep2-chunks2", "ep2xdp2", "ep2-deferred-expert-grads"],
 )
 def test_interleaved_micro_batches_equal_unmodified(world: int, ep_size: int, plan: str, tmp_path: Path) -> None:
     payload = {"model_type": "qwen3_moe", "ep_size": ep_size, "plan": plan, "out_dir": str(tmp_path)}

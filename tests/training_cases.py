@@ -39,6 +39,7 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
     if payload.get("balanced"):  # experts spread over the ranks by a made-up skewed load
         loads = {s.path: [(e % 3) * 50 + e for e in range(s.num_experts)] for s in find_blocks(ref)}
         text += f"placement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n"
+    text += payload.get("plan", "")
     plan = parse_plan(text)
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
     per_rank, seq = 2, 8
@@ -53,12 +54,16 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
     # per-rank aux losses do not average to the global one, with or without hp-rewrite.)
     ref_out = ref(input_ids=ids, **kwargs)
     _lm_loss(ref_out.logits, ids).backward()
+    weight_grads = model.hp_rewrite.ep.weight_grads
     out = model(input_ids=ids[mine], **kwargs)
     _lm_loss(out.logits, ids[mine]).backward()
     placements = [m.hp_expert_parallel.placement for m in model.modules()
                   if getattr(m, "hp_expert_parallel", None) is not None]
     result = {"local_experts": [p.num_local for p in placements],
-              "contiguous": [p.is_contiguous for p in placements]}
+              "contiguous": [p.is_contiguous for p in placements],
+              # runtime.defer_expert_grads: weight-gradient jobs run (in exchange waits), none left queued
+              "deferred_jobs": weight_grads.jobs_run, "deferred_in_waits": weight_grads.jobs_run_in_waits,
+              "deferred_left": len(weight_grads)}
     if payload.get("aux"):
         # the aux loss of this rank's batch equals the unmodified model's aux loss on the same batch
         same_batch = copy.deepcopy(ref)(input_ids=ids[mine], **kwargs)
@@ -119,6 +124,8 @@ def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
     ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()
     plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
     after = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    # payload "plan": extra plan text for the overlapped model only (e.g. deferred expert gradients)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
     during = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
     sync = GradientSync(during, during.hp_rewrite.ep, bucket_bytes=4096)
     vocab = ref.config.get_text_config().vocab_size
@@ -200,3 +207,30 @@ def interleaved_step(rank: int, world: int, payload: dict) -> dict:
                         if b.grad is not None)
     return {"grad_worst": grad_err, "grad_worst_name": grad_name, "vs_sequential": vs_sequential,
             "tags": tags, "moe_calls": len(order), "blocks": len(blocks), "order": order}
+
+
+def deferred_refusals(rank: int, world: int, payload: dict) -> dict:
+    """runtime.defer_expert_grads turns the cases it cannot serve into clear errors: an expert weight with
+    a gradient hook (it would never see the gradient) and a differentiable backward (create_graph)."""
+    from hp_rewrite.runtime import ExpertParallelError
+
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {world}\nruntime:\n  defer_expert_grads: true\n")
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    out: dict[str, str] = {}
+    hooked = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    expert_weight = expert_parameters(hooked)[0]
+    expert_weight.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        hooked(input_ids=ids)
+    except ExpertParallelError as e:
+        out["hooked"] = str(e)
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    loss = _lm_loss(model(input_ids=ids).logits, ids)
+    try:
+        loss.backward(create_graph=True)
+    except ExpertParallelError as e:
+        out["create_graph"] = str(e)
+    model.hp_rewrite.ep.weight_grads.clear()
+    return out

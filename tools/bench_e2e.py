@@ -27,6 +27,11 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
                          a kept ``hp_rewrite.Interleaver`` (taking turns at the exchanges); the gradient
                          all-reduce after. ``--fresh-threads`` adds ``hp-ep2-interleaveN-fresh-threads``:
                          ``hp_rewrite.interleave`` every step, which starts new worker threads each time.
+  a6. ``hp-ep2-defer``, ``hp-ep2-balanced-defer`` (``--defer``; with ``--interleave N`` also
+                         ``hp-ep2-balanced-defer-interleaveN``): the same with ``runtime: {defer_expert_grads:
+                         true}``, the experts' weight-gradient GEMMs run in the backward's exchange waits and at
+                         its end.
+  ``--only PATTERN ...`` keeps only the hp-rewrite variants whose names match (fnmatch); the others always run.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
                          sharded over EP with the all-to-all token dispatch (``AllToAllEP``), dense weights
@@ -71,6 +76,7 @@ import argparse
 import contextlib
 import copy
 import ctypes
+import fnmatch
 import functools
 import json
 import os
@@ -131,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each time) instead of a kept Interleaver")
     p.add_argument("--compare-dedup", action="store_true",
                    help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
+    p.add_argument("--defer", action="store_true",
+                   help="add hp-ep2-defer and hp-ep2-balanced-defer (and, with --interleave N, "
+                        "hp-ep2-balanced-defer-interleaveN): runtime.defer_expert_grads true")
+    p.add_argument("--only", nargs="+", metavar="PATTERN",
+                   help="keep only the hp-rewrite variants matching these fnmatch patterns (native EP and the "
+                        "unmodified model always run)")
     p.add_argument("--oracle-placement", action="store_true",
                    help="diagnostic: balance the placement on the timed batch itself (a bound, not a fair result)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant (median reported)")
@@ -448,13 +460,18 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["compare_dedup"]:  # the plain exchange: one row per routed slot
         for name in [n for n in plans if n in (HP, BALANCED)]:
             plans[f"{name}-no-dedup"] = plans[name] + "runtime:\n  dedup: false\n"
+    if payload["defer"]:  # expert weight gradients in the backward's exchange waits
+        for name in [n for n in plans if n in (HP, BALANCED)]:
+            plans[f"{name}-defer"] = plans[name] + "runtime:\n  defer_expert_grads: true\n"
     micro = {}
     if payload["interleave"] > 1:  # the same plans, the batch split into micro-batches that take turns
-        for name in [n for n in plans if n in (HP, BALANCED)]:
+        for name in [n for n in plans if n in (HP, BALANCED, f"{BALANCED}-defer")]:
             micro[f"{name}-interleave{payload['interleave']}"] = plans[name]
         if payload["fresh_threads"]:
             micro[f"{HP}-interleave{payload['interleave']}-fresh-threads"] = plans[HP]
         plans.update(micro)
+    if payload["only"]:
+        plans = {n: t for n, t in plans.items() if any(fnmatch.fnmatch(n, pat) for pat in payload["only"])}
     for name, text in plans.items():
         v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC,
                                  micro_batches=payload["interleave"] if name in micro else 1,
@@ -746,7 +763,7 @@ def main(argv: list[str] | None = None) -> None:
         del model
         payload = {"sizes": sizes, "seed": a.seed, "attn": a.attn, "tmp": tmp, "ckpt": str(ckpt),
                    "profile_path": profile_path, "tokens": a.tokens,
-                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "interleave": a.interleave, "fresh_threads": a.fresh_threads, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
+                   "hp_chunks": a.hp_chunks, "compare_dedup": a.compare_dedup, "defer": a.defer, "only": a.only, "interleave": a.interleave, "fresh_threads": a.fresh_threads, "warmup": a.warmup, "iters": a.iters, "threads": a.threads,
                    "memory_rounds": a.memory_rounds, "trim_every_step": a.trim_every_step,
                    "profile": a.profile, "profile_rows": a.profile_rows, "profile_steps": a.profile_steps}
         try:

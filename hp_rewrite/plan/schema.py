@@ -114,6 +114,7 @@ class RuntimeSection(_Section):
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
     dedup: bool = True
+    defer_expert_grads: bool = False
     router_dtype: RouterDtype = "auto"
     timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
 
@@ -129,6 +130,7 @@ class RuntimeSection(_Section):
             drop_policy=self.drop_policy,
             renormalize_kept=self.renormalize_kept,
             dedup=self.dedup,
+            defer_expert_grads=self.defer_expert_grads,
         )
 
 

@@ -7,6 +7,8 @@ collectives is identical on every rank.
 
 Before every blocking wait or collective the runtime calls :func:`~.turns.give_turn`, so that
 micro-batches run by :class:`~.turns.Interleaver` compute while another one's exchange is in flight.
+With a :class:`~.deferred.WeightGradQueue` (``runtime.defer_expert_grads``), a wait on an exchange
+that has not arrived yet first runs queued expert weight-gradient jobs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from .deferred import WeightGradQueue
 from .turns import give_turn
 
 
@@ -77,6 +80,7 @@ class PendingExchange:
         self.group: dist.ProcessGroup | None = None
         self.buffer: torch.Tensor | None = None
         self.link: _BackwardLink | None = None
+        self.fill: WeightGradQueue | None = None
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
@@ -98,8 +102,10 @@ class _BackwardLink:
     does. It holds no graph tensors (only the gradient in flight), so it makes no reference cycle.
     """
 
-    def __init__(self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> None:
-        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+    def __init__(
+        self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, fill: WeightGradQueue | None
+    ) -> None:
+        self.out_splits, self.in_splits, self.group, self.fill = out_splits, in_splits, group, fill
         self.work: dist.Work | None = None
         self.received: torch.Tensor | None = None  # the reverse exchange's output while in flight
 
@@ -109,7 +115,7 @@ class _AllToAllStart(Function):
     def forward(ctx, x, out_splits, in_splits, group, pending):  # type: ignore[override]
         out, work = _exchange(x, out_splits, in_splits, group, async_op=True)
         pending.work, pending.group = work, group
-        pending.link = ctx.link = _BackwardLink(out_splits, in_splits, group)
+        pending.link = ctx.link = _BackwardLink(out_splits, in_splits, group, pending.fill)
         return out
 
     @staticmethod
@@ -119,6 +125,8 @@ class _AllToAllStart(Function):
         if link.received is None:  # Wait's backward did not run: exchange now
             received, _ = _exchange(grad, link.in_splits, link.out_splits, link.group, async_op=False)
             return received, None, None, None, None
+        if link.fill is not None:
+            link.fill.fill_wait(link.work.is_completed)
         try:
             link.work.wait()
         except RuntimeError as e:
@@ -131,6 +139,8 @@ class _AllToAllWait(Function):
     @staticmethod
     def forward(ctx, buffer, pending):  # type: ignore[override]
         if pending.work is not None:
+            if pending.fill is not None:
+                pending.fill.fill_wait(pending.work.is_completed)
             try:
                 pending.work.wait()
             except RuntimeError as e:
@@ -162,26 +172,40 @@ def all_to_all(
 
 
 def all_to_all_async(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    fill: WeightGradQueue | None = None,
 ) -> PendingExchange:
-    """Start a differentiable all-to-all and return at once; ``.wait()`` at first use of the result."""
+    """Start a differentiable all-to-all and return at once; ``.wait()`` at first use of the result.
+
+    ``fill``: queued expert weight-gradient jobs to run while this exchange (or its backward) is awaited."""
     if group is None:
         return _Ready(x)
     pending = PendingExchange()
+    pending.fill = fill
     pending.buffer = _AllToAllStart.apply(x, list(out_splits), list(in_splits), group, pending)
     return pending
 
 
 def exchange(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None, overlap: bool
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    overlap: bool,
+    fill: WeightGradQueue | None = None,
 ) -> PendingExchange:
     """The async exchange when ``overlap``, else the sync one wrapped as already completed."""
     if overlap:
-        return all_to_all_async(x, out_splits, in_splits, group)
+        return all_to_all_async(x, out_splits, in_splits, group, fill)
     return _Ready(all_to_all(x, out_splits, in_splits, group))
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def exchange_counts(
+    counts: torch.Tensor, group: dist.ProcessGroup | None, fill: WeightGradQueue | None = None
+) -> torch.Tensor:
     """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable.
 
     Started before the turn is given away, so it completes while another micro-batch computes."""
@@ -191,6 +215,8 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> to
     try:
         work = dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
         give_turn()
+        if fill is not None:
+            fill.fill_wait(work.is_completed)
         work.wait()
     except RuntimeError as e:
         raise _peer_failure(group, e) from e

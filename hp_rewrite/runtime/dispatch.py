@@ -171,7 +171,8 @@ def dispatch(
         cells = torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
     else:
         rows_per_dest, cells = per_dest.sum(-1), per_dest
-    recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), ep.group)  # [src, chunks, cell]
+    fill = _weight_grads(ep, options)
+    recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), ep.group, fill)  # [src, chunks, cell]
     # The one host sync of the layer: every split size of every chunk.
     host = torch.cat([rows_per_dest.reshape(-1), recv.reshape(-1)]).tolist()
     n_chunks, width = len(bounds), cells.shape[-1]
@@ -196,7 +197,9 @@ def dispatch(
             if send_x.dtype == sent.side.dtype:  # one exchange: the side tensor as extra columns
                 send_x = torch.cat([send_x, sent.side], dim=1)
             else:
-                chunk.side_exchange = comm.exchange(sent.side, recv_splits, send_splits, ep.group, options.overlap)
+                chunk.side_exchange = comm.exchange(
+                    sent.side, recv_splits, send_splits, ep.group, options.overlap, fill
+                )
         else:
             recv_splits = [sum(cell) for cell in recv_cells]
             rows = orders[c][: sum(send_splits)]
@@ -205,7 +208,7 @@ def dispatch(
                 to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
             chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
             send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
-        chunk.exchange = comm.exchange(send_x, recv_splits, send_splits, ep.group, options.overlap)
+        chunk.exchange = comm.exchange(send_x, recv_splits, send_splits, ep.group, options.overlap, fill)
         stats.rows_sent += sum(send_splits)
         stats.rows_received += sum(recv_splits)
         chunks.append(chunk)
@@ -214,6 +217,11 @@ def dispatch(
     return RoutedDispatch(
         ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement
     )
+
+
+def _weight_grads(ep: ExpertParallelGroup, options: RuntimeOptions):
+    """The queue expert weight gradients wait in, when ``defer_expert_grads`` can pay (exchange waits exist)."""
+    return ep.weight_grads if options.defer_expert_grads and options.overlap and ep.size > 1 else None
 
 
 def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
@@ -242,6 +250,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     ep, opts = state.ep, state.options
     combines = []
     k, hidden_size = state.top_k, state.hidden_shape[-1]
+    fill = _weight_grads(ep, opts)
     for chunk in state.chunks:
         x = chunk.exchange.wait()
         if chunk.sent is not None:  # dedup: one row per token, its local experts in the side tensor
@@ -251,18 +260,18 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
                 side = chunk.side_exchange.wait()
             pairs = dedup.pairs_of(side, k, state.placement.num_local, sum(chunk.local_counts))
             x = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))
-            y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute), via_call)
+            y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute, fill), via_call)
             y = dedup.weighted_rows(y, pairs, side, k, state.weights.dtype)
-            combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap))
+            combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap, fill))
             continue
         if chunk.to_expert_major is not None:
             order = torch.empty_like(chunk.to_expert_major)
             order[chunk.to_expert_major] = torch.arange(len(order), device=order.device)
             x = x.index_select(0, order)
-        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute), via_call)
+        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute, fill), via_call)
         if chunk.to_expert_major is not None:
             y = y.index_select(0, chunk.to_expert_major)
-        combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap))
+        combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap, fill))
     outs = []
     for chunk, pending in zip(state.chunks, combines, strict=True):
         y_sorted = pending.wait()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import npu
+from .deferred import DeferredGroupedMM, WeightGradQueue, refuse_hooked
 from .errors import ExpertParallelError
 
 # Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).
@@ -114,13 +115,20 @@ class LocalBatch:
     counts: list[int]
     offsets: torch.Tensor
     compute: str = "auto"
+    weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
 
     @classmethod
-    def from_counts(cls, hidden: torch.Tensor, counts: list[int], compute: str = "auto") -> LocalBatch:
+    def from_counts(
+        cls,
+        hidden: torch.Tensor,
+        counts: list[int],
+        compute: str = "auto",
+        weight_grads: WeightGradQueue | None = None,
+    ) -> LocalBatch:
         offsets = (
             torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=hidden.device, dtype=torch.int32)
         )
-        return cls(hidden, list(counts), offsets, compute)
+        return cls(hidden, list(counts), offsets, compute, weight_grads)
 
     def row_experts(self) -> torch.Tensor:
         """Local expert id of every row (only needed for per-expert biases)."""
@@ -167,11 +175,18 @@ def _project(
     transposed: bool,
     kind: str,
     row_experts: torch.Tensor | None,
+    name: str,
 ) -> torch.Tensor:
     """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
     w_in_out = weight if transposed else weight.transpose(1, 2)
+    deferred = batch.weight_grads is not None and weight.requires_grad and torch.is_grad_enabled()
     if kind == "npu":
         out = npu.grouped_matmul(x, w_in_out, batch.counts)
+    elif kind == "grouped" and deferred:
+        refuse_hooked(weight, name)
+        out = DeferredGroupedMM.apply(
+            x, w_in_out.detach(), batch.offsets, batch.counts, weight, transposed, batch.weight_grads
+        )
     elif kind == "grouped":
         out = _grouped_mm(x, w_in_out, batch.offsets)
     else:
@@ -211,23 +226,27 @@ def local_experts_forward(
     def bias(name: str | None) -> torch.Tensor | None:
         return getattr(module, name) if name else None
 
+    owner = type(module).__name__  # names a weight in errors
+
     if layout.kind == "separate":
         g = _project(
-            batch, x, getattr(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows
+            batch, x, getattr(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows,
+            f"{owner}.{layout.gate}",
         )
-        u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows)
+        u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
         if hasattr(module, "_apply_gate"):
             h = module._apply_gate(torch.cat([g, u], dim=-1))
         else:
             h = module.act_fn(g) * u
     else:
-        h = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows)
+        h = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
         if layout.gated:
             h = module._apply_gate(h) if hasattr(module, "_apply_gate") else _default_gate(module, h)
         else:
             h = module.act_fn(h)
     y = _project(
-        batch, h, getattr(module, layout.down), bias(layout.down_bias), layout.transposed, kind, rows
+        batch, h, getattr(module, layout.down), bias(layout.down_bias), layout.transposed, kind, rows,
+        f"{owner}.{layout.down}",
     )
     if layout.post_norm:
         y = module.post_expert_norm(y)

@@ -39,6 +39,15 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def defers_expert_grads(model: nn.Module) -> bool:
+    """Whether the model's expert weight gradients arrive at the end of backward, without hooks
+    (``runtime.defer_expert_grads``, see :mod:`.deferred`)."""
+    return any(
+        getattr(m, "hp_expert_parallel", None) is not None and m.hp_expert_parallel.options.defer_expert_grads
+        for m in model.modules()
+    )
+
+
 def _all_reduce_mean(grads: list[torch.Tensor], group, divisor: int) -> None:
     if not grads:
         return
@@ -96,6 +105,9 @@ class GradientSync:
     divides by the world size and writes the results into ``p.grad``: the same numbers as
     :func:`sync_gradients`. For gradient accumulation, run the backward passes before the last one
     inside :meth:`no_sync`. Call :meth:`close` to remove the hooks.
+
+    With ``runtime.defer_expert_grads`` the expert weight gradients are written at the end of backward,
+    without hooks: their buckets come last and start in :meth:`wait`.
     """
 
     def __init__(self, model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -122,8 +134,12 @@ class GradientSync:
             open_buckets[key] = (members + [p], size + p.numel() * p.element_size())
         for (is_expert, _), (members, _) in open_buckets.items():
             self.buckets.append(_Bucket(members, expert_group if is_expert else None))
+        hooked = params
+        if defers_expert_grads(model):  # no hook sees a deferred gradient: those buckets go last
+            self.buckets.sort(key=lambda b: id(b.params[0]) in experts)
+            hooked = [p for p in params if id(p) not in experts]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in hooked]
 
     def _ready(self, p: nn.Parameter) -> None:
         if not self._syncing:

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .deferred import WeightGradQueue
 from .errors import ExpertParallelError
 
 
@@ -33,6 +34,9 @@ class ExpertParallelGroup:
     replica_size: int = 1
     replica_rank: int = 0
     replica_group: dist.ProcessGroup | None = None
+    # expert weight gradients deferred into the backward's exchange waits (runtime.defer_expert_grads),
+    # one queue for every MoE layer of this group's models
+    weight_grads: WeightGradQueue = field(default_factory=WeightGradQueue, compare=False, repr=False)
 
     @classmethod
     def single(cls) -> ExpertParallelGroup:

@@ -33,6 +33,12 @@ class RuntimeOptions:
         and weights) instead of once per routed slot; the owning rank sums its experts' weighted
         outputs and sends one row back. With top-k > 1 this cuts both exchanges, forward and
         backward. Off: one row per routed slot, and the weighted sum happens on the sending rank.
+    defer_expert_grads: compute the experts' weight gradients (half of their backward GEMMs) while a
+        backward exchange is in flight, or at the end of backward, instead of in place (see
+        :mod:`.deferred`). A rank waiting for a busier one in one layer does work it would do later,
+        so uneven routing costs less. Expert weight gradients then land in ``.grad`` at the end of
+        ``backward()`` without autograd hooks: refused for hooked or FSDP-sharded expert weights.
+        Grouped compute with ``ep > 1`` and ``overlap`` only; elsewhere it does nothing.
     """
 
     compute: ComputeKind = "auto"
@@ -42,6 +48,7 @@ class RuntimeOptions:
     drop_policy: DropPolicy = "probs"
     renormalize_kept: bool = False
     dedup: bool = True
+    defer_expert_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_KINDS:
@@ -58,6 +65,8 @@ class RuntimeOptions:
             )
         if not isinstance(self.dedup, bool):
             raise ExpertParallelError(f"dedup={self.dedup!r}: must be true or false")
+        if not isinstance(self.defer_expert_grads, bool):
+            raise ExpertParallelError(f"defer_expert_grads={self.defer_expert_grads!r}: must be true or false")
 
     def as_dict(self) -> dict:
         """Plain dict, stable key order (used in artifact hashes)."""

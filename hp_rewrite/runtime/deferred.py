@@ -1,0 +1,140 @@
+"""Expert weight gradients computed in the backward's exchange waits (``runtime.defer_expert_grads``).
+
+Half of an expert GEMM's backward is its weight gradient ``x_e^T dy_e``, which nothing needs before
+the optimizer step. With the option on, the grouped GEMM's backward returns the input gradient at
+once and queues one weight-gradient job per (projection, local expert). The queue runs jobs while a
+backward exchange is still in flight (:meth:`WeightGradQueue.fill_wait`, polled between jobs, so a
+rank that is not waiting does not stop to run them) and everything left at the end of backward
+(autograd's ``queue_callback``).
+
+Why: with uneven routing one rank's experts get more rows in one layer and the other rank's in the
+next. In step with each other, every layer waits for its busiest rank; with the weight gradients
+movable, a rank that waits in one layer does work it would otherwise do later, and the busier
+rank catches up. Same numbers as autograd (fp32 up to summation order).
+
+The contract changes in one way: expert weight gradients land in ``p.grad`` at the end of
+``backward()`` without going through autograd's ``AccumulateGrad``, so gradient hooks on expert
+weights (FSDP, DDP, ``register_post_accumulate_grad_hook``) would not see them, and
+``torch.autograd.grad`` cannot return them. :func:`refuse_hooked` turns the hook case into an error;
+:class:`~.gradients.GradientSync` and :func:`~.gradients.sync_gradients` handle deferred gradients.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ExpertParallelError
+
+
+class WeightGradQueue:
+    """Pending expert weight-gradient jobs of one EP group's models (shared by all their MoE layers).
+
+    Jobs are self-contained (their tensors and the gradient tensor they add into), so any backward
+    pass may run any job: a micro-batch's jobs may run in another micro-batch's wait.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._flush_queued = False
+        self.jobs_run = 0  # total since creation: tests and diagnostics
+        self.jobs_run_in_waits = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, jobs: list[Callable[[], None]]) -> None:
+        """Queue jobs from inside a backward pass; the first makes that backward flush at its end."""
+        self._jobs.extend(jobs)
+        if not self._flush_queued:
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def fill_wait(self, done: Callable[[], bool]) -> None:
+        """Run jobs until ``done()`` (the awaited exchange arrived) or none are left."""
+        while self._jobs and not done():
+            self._jobs.popleft()()
+            self.jobs_run += 1
+            self.jobs_run_in_waits += 1
+
+    def flush(self) -> None:
+        """Run every job left (the end of a backward pass)."""
+        self._flush_queued = False  # a job queued from now on queues a flush of its own backward
+        while self._jobs:
+            self._jobs.popleft()()
+            self.jobs_run += 1
+
+    def clear(self) -> None:
+        """Drop pending jobs (after a failed backward: their gradients belong to a step that did not finish)."""
+        self._jobs.clear()
+        self._flush_queued = False
+
+
+def refuse_hooked(weight: nn.Parameter, name: str) -> None:
+    """Deferred gradients bypass gradient hooks: a hooked or sharded expert weight is an error, not a
+    silently missing gradient."""
+    from torch.distributed.tensor import DTensor
+
+    hooked = bool(getattr(weight, "_post_accumulate_grad_hooks", None) or getattr(weight, "_backward_hooks", None))
+    if hooked or isinstance(weight, DTensor):
+        what = "is a DTensor (FSDP/TP-sharded)" if isinstance(weight, DTensor) else "has gradient hooks"
+        raise ExpertParallelError(
+            f"runtime.defer_expert_grads: the expert weight {name!r} {what}; deferred expert gradients "
+            "are written into .grad at the end of backward and would bypass them. Set "
+            "runtime.defer_expert_grads: false, or synchronise gradients with hp_rewrite.sync_gradients "
+            "/ GradientSync instead of hooks."
+        )
+
+
+def _grouped_mm():
+    return getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+class DeferredGroupedMM(torch.autograd.Function):
+    """``x @ w_in_out`` per expert group, whose backward queues the weight gradient.
+
+    ``weight`` is the parameter as stored (``[E, in, out]`` when ``transposed``, else ``[E, out, in]``);
+    ``w_in_out`` the ``[E, in, out]`` view the GEMM uses, detached (its gradient is the queued job's).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_in_out, offsets, counts, weight, transposed, queue):  # type: ignore[override]
+        ctx.save_for_backward(x, w_in_out, offsets)
+        ctx.counts, ctx.weight, ctx.transposed, ctx.queue = counts, weight, transposed, queue
+        return _grouped_mm()(x, w_in_out, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise ExpertParallelError(
+                "runtime.defer_expert_grads does not support a differentiable backward (create_graph=True); "
+                "set it to false for double backward"
+            )
+        x, w_in_out, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _grouped_mm()(dy, w_in_out.transpose(1, 2), offs=offsets)
+        weight = ctx.weight
+        if weight.grad is None:  # experts without rows keep a zero gradient, as autograd gives them
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad  # the jobs add into this tensor, whenever they run
+        jobs, start = [], 0
+        for e, n in enumerate(ctx.counts):
+            if n:
+                jobs.append(_job(grad[e], x[start : start + n], dy[start : start + n], ctx.transposed))
+            start += n
+        ctx.queue.add(jobs)
+        return dx, None, None, None, None, None, None
+
+
+def _job(grad_e: torch.Tensor, x_e: torch.Tensor, dy_e: torch.Tensor, transposed: bool) -> Callable[[], None]:
+    def run() -> None:
+        if transposed:  # stored [in, out]
+            grad_e.addmm_(x_e.t(), dy_e)
+        else:  # stored [out, in]
+            grad_e.addmm_(dy_e.t(), x_e)
+
+    return run
