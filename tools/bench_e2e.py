@@ -31,6 +31,9 @@ gloo ranks (CPU, fp32, ``torch.set_num_threads(1)`` per rank), in one run, on th
                          ``hp-ep2-balanced-defer-interleaveN``): the same with ``runtime: {defer_expert_grads:
                          true}``, the experts' weight-gradient GEMMs run in the backward's exchange waits and at
                          its end.
+  a7. ``hp-ep2-defer-overlap-sync``, ``hp-ep2-balanced-defer-overlap-sync`` (``--defer``): a6 with the
+                         gradients synchronised by ``GradientSync`` as in a1 (the replicated buckets' all-reduce
+                         runs while the deferred jobs left at the end of backward are computed).
   ``--only PATTERN ...`` keeps only the hp-rewrite variants whose names match (fnmatch); the others always run.
   b. ``native-ep2``      transformers' own EP: ``from_pretrained(ckpt, distributed_config=DistributedConfig(
                          ep_size=2, fsdp_size=2))`` from a checkpoint written once by ``save_pretrained``: experts
@@ -463,6 +466,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["defer"]:  # expert weight gradients in the backward's exchange waits
         for name in [n for n in plans if n in (HP, BALANCED)]:
             plans[f"{name}-defer"] = plans[name] + "runtime:\n  defer_expert_grads: true\n"
+            plans[f"{name}-defer-overlap-sync"] = plans[f"{name}-defer"]  # + GradientSync during backward
     micro = {}
     if payload["interleave"] > 1:  # the same plans, the batch split into micro-batches that take turns
         for name in [n for n in plans if n in (HP, BALANCED, f"{BALANCED}-defer")]:
@@ -473,7 +477,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     if payload["only"]:
         plans = {n: t for n, t in plans.items() if any(fnmatch.fnmatch(n, pat) for pat in payload["only"])}
     for name, text in plans.items():
-        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name == OVERLAP_SYNC,
+        v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name.endswith("overlap-sync"),
                                  micro_batches=payload["interleave"] if name in micro else 1,
                                  fresh_threads=name.endswith("-fresh-threads"))
         variants.append(v)

@@ -15,8 +15,10 @@ rank catches up. Same numbers as autograd (fp32 up to summation order).
 The contract changes in one way: expert weight gradients land in ``p.grad`` at the end of
 ``backward()`` without going through autograd's ``AccumulateGrad``, so gradient hooks on expert
 weights (FSDP, DDP, ``register_post_accumulate_grad_hook``) would not see them, and
-``torch.autograd.grad`` cannot return them. :func:`refuse_hooked` turns the hook case into an error;
-:class:`~.gradients.GradientSync` and :func:`~.gradients.sync_gradients` handle deferred gradients.
+``torch.autograd.grad`` cannot return them. :func:`refuse_hooked` turns the hook case into an error,
+and a job whose ``.grad`` was taken or replaced before it ran (as FSDP's post-backward would) raises
+instead of adding into a tensor nobody reads. :class:`~.gradients.GradientSync` and
+:func:`~.gradients.sync_gradients` handle deferred gradients.
 """
 
 from __future__ import annotations
@@ -57,16 +59,22 @@ class WeightGradQueue:
     def fill_wait(self, done: Callable[[], bool]) -> None:
         """Run jobs until ``done()`` (the awaited exchange arrived) or none are left."""
         while self._jobs and not done():
-            self._jobs.popleft()()
-            self.jobs_run += 1
+            self._run_next()
             self.jobs_run_in_waits += 1
 
     def flush(self) -> None:
         """Run every job left (the end of a backward pass)."""
         self._flush_queued = False  # a job queued from now on queues a flush of its own backward
         while self._jobs:
+            self._run_next()
+
+    def _run_next(self) -> None:
+        try:
             self._jobs.popleft()()
-            self.jobs_run += 1
+        except BaseException:
+            self.clear()  # the rest belongs to the same failed backward
+            raise
+        self.jobs_run += 1
 
     def clear(self) -> None:
         """Drop pending jobs (after a failed backward: their gradients belong to a step that did not finish)."""
@@ -124,17 +132,25 @@ class DeferredGroupedMM(torch.autograd.Function):
         jobs, start = [], 0
         for e, n in enumerate(ctx.counts):
             if n:
-                jobs.append(_job(grad[e], x[start : start + n], dy[start : start + n], ctx.transposed))
+                jobs.append(_job(weight, grad, e, x[start : start + n], dy[start : start + n], ctx.transposed))
             start += n
         ctx.queue.add(jobs)
         return dx, None, None, None, None, None, None
 
 
-def _job(grad_e: torch.Tensor, x_e: torch.Tensor, dy_e: torch.Tensor, transposed: bool) -> Callable[[], None]:
+def _job(
+    weight: nn.Parameter, grad: torch.Tensor, e: int, x_e: torch.Tensor, dy_e: torch.Tensor, transposed: bool
+) -> Callable[[], None]:
     def run() -> None:
+        if weight.grad is not grad:  # e.g. FSDP took .grad at its post-backward, before the jobs ran
+            raise ExpertParallelError(
+                "runtime.defer_expert_grads: an expert weight's .grad was taken or replaced during backward, "
+                "before its deferred gradient was complete (FSDP or another gradient hook on the experts?). "
+                "Set runtime.defer_expert_grads: false for that setup."
+            )
         if transposed:  # stored [in, out]
-            grad_e.addmm_(x_e.t(), dy_e)
+            grad[e].addmm_(x_e.t(), dy_e)
         else:  # stored [out, in]
-            grad_e.addmm_(dy_e.t(), x_e)
+            grad[e].addmm_(dy_e.t(), x_e)
 
     return run
