@@ -86,3 +86,33 @@ def test_hooked_or_create_graph_is_refused() -> None:
     out = DeferredGroupedMM.apply(x, plain.transpose(1, 2).detach(), offsets, COUNTS, plain, False, WeightGradQueue())
     with pytest.raises(ExpertParallelError, match="create_graph"):
         out.sum().backward(create_graph=True)
+
+
+def test_a_failed_backward_does_not_stop_the_next_from_flushing() -> None:
+    """A backward that raises never reaches its flush; the next backward still flushes (the failed one's
+    jobs too, as autograd keeps what it accumulated before a failure, unless ``clear()`` drops them)."""
+    weight = nn.Parameter(torch.randn(4, 16, 8))
+    ref_weight = nn.Parameter(weight.detach().clone())
+    queue = WeightGradQueue()
+    x0 = torch.randn(sum(COUNTS), 8, requires_grad=True)
+    offsets = LocalBatch.from_counts(x0, COUNTS).offsets
+
+    def boom(g):
+        raise RuntimeError("a failure later in backward")
+
+    handle = x0.register_hook(boom)
+    out = DeferredGroupedMM.apply(x0 * 1.0, weight.transpose(1, 2).detach(), offsets, COUNTS, weight, False, queue)
+    with pytest.raises(RuntimeError, match="a failure later"):
+        out.sum().backward()
+    assert len(queue) == 3  # queued, never run
+    handle.remove()
+    dy = torch.ones(sum(COUNTS), 16)  # what out.sum() gave the failed backward
+    for _ in range(2):  # the reference: the failed step's contribution (as autograd would have kept it) + this one
+        (_grouped(x0.detach(), ref_weight.transpose(1, 2), offsets) * dy).sum().backward()
+    out = DeferredGroupedMM.apply(x0, weight.transpose(1, 2).detach(), offsets, COUNTS, weight, False, queue)
+    (out * dy).sum().backward()
+    assert len(queue) == 0  # this backward flushed, its own jobs and the failed one's
+    torch.testing.assert_close(weight.grad, ref_weight.grad, rtol=1e-6, atol=1e-6)
+    queue._jobs.append(lambda: None)
+    queue.clear()  # what to call after a failed backward to drop its jobs instead
+    assert len(queue) == 0

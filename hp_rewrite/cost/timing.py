@@ -10,8 +10,10 @@ Forward follows the runtime's schedule (``hp_rewrite/runtime/dispatch.py``): rou
 (blocking: one host sync), every chunk's dispatch issued at once on the link, the shared expert
 computed meanwhile (block-level archetypes only), then per chunk the expert GEMMs as soon as its
 rows arrived and its combine queued on the link behind the dispatches, finally the weighted sum.
-Backward runs the reverse exchanges synchronously (as the runtime's autograd functions do): no
-overlap, everything adds up.
+Backward is twice the compute plus both reverse exchanges, with no overlap modelled. The runtime
+issues them asynchronously, overlapping whatever autograd runs in between, so this is an upper bound.
+Each layer is costed at its busiest rank. Neither ``runtime.defer_expert_grads`` (which lets a
+waiting rank compute weight gradients) nor the ``Interleaver`` is modelled.
 """
 
 from __future__ import annotations

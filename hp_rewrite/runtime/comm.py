@@ -130,6 +130,8 @@ class _AllToAllStart(Function):
         try:
             link.work.wait()
         except RuntimeError as e:
+            if link.fill is not None:
+                link.fill.clear()  # this backward will not finish: its queued gradients are void
             raise _peer_failure(link.group, e) from e
         received, link.work, link.received = link.received, None, None
         return received, None, None, None, None

@@ -42,7 +42,7 @@ class WeightGradQueue:
 
     def __init__(self) -> None:
         self._jobs: deque[Callable[[], None]] = deque()
-        self._flush_queued = False
+        self._flushing_tasks: set[int] = set()  # backward passes (graph tasks) with a flush queued
         self.jobs_run = 0  # total since creation: tests and diagnostics
         self.jobs_run_in_waits = 0
 
@@ -50,11 +50,13 @@ class WeightGradQueue:
         return len(self._jobs)
 
     def add(self, jobs: list[Callable[[], None]]) -> None:
-        """Queue jobs from inside a backward pass; the first makes that backward flush at its end."""
+        """Queue jobs from inside a backward pass, and make that backward flush at its end (once per
+        backward: a flag alone would go stale when a backward fails before its flush)."""
         self._jobs.extend(jobs)
-        if not self._flush_queued:
-            self._flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        task = torch._C._current_graph_task_id()
+        if task not in self._flushing_tasks:
+            self._flushing_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush_task(task))
 
     def fill_wait(self, done: Callable[[], bool]) -> None:
         """Run jobs until ``done()`` (the awaited exchange arrived) or none are left."""
@@ -64,9 +66,12 @@ class WeightGradQueue:
 
     def flush(self) -> None:
         """Run every job left (the end of a backward pass)."""
-        self._flush_queued = False  # a job queued from now on queues a flush of its own backward
         while self._jobs:
             self._run_next()
+
+    def _flush_task(self, task: int) -> None:
+        self._flushing_tasks.discard(task)
+        self.flush()
 
     def _run_next(self) -> None:
         try:
@@ -79,7 +84,6 @@ class WeightGradQueue:
     def clear(self) -> None:
         """Drop pending jobs (after a failed backward: their gradients belong to a step that did not finish)."""
         self._jobs.clear()
-        self._flush_queued = False
 
 
 def refuse_hooked(weight: nn.Parameter, name: str) -> None:
@@ -146,7 +150,8 @@ def _job(
             raise ExpertParallelError(
                 "runtime.defer_expert_grads: an expert weight's .grad was taken or replaced during backward, "
                 "before its deferred gradient was complete (FSDP or another gradient hook on the experts?). "
-                "Set runtime.defer_expert_grads: false for that setup."
+                "Set runtime.defer_expert_grads: false for that setup. (After a backward() that failed, drop "
+                "its jobs first: model.hp_rewrite.ep.weight_grads.clear().)"
             )
         if transposed:  # stored [in, out]
             grad[e].addmm_(x_e.t(), dy_e)
