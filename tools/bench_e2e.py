@@ -141,8 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-dedup", action="store_true",
                    help="add hp-ep2-no-dedup (and hp-ep2-balanced-no-dedup): runtime.dedup false, one row per slot")
     p.add_argument("--defer", action="store_true",
-                   help="add hp-ep2-defer and hp-ep2-balanced-defer (and, with --interleave N, "
-                        "hp-ep2-balanced-defer-interleaveN): runtime.defer_expert_grads true")
+                   help="add hp-ep2-defer and hp-ep2-balanced-defer, the same with GradientSync "
+                        "(...-defer-overlap-sync) and, with --interleave N, hp-ep2-balanced-defer-interleaveN: "
+                        "runtime.defer_expert_grads true")
     p.add_argument("--only", nargs="+", metavar="PATTERN",
                    help="keep only the hp-rewrite variants matching these fnmatch patterns (native EP and the "
                         "unmodified model always run)")
@@ -475,6 +476,10 @@ def worker(rank: int, world: int, payload: dict) -> dict:
             micro[f"{HP}-interleave{payload['interleave']}-fresh-threads"] = plans[HP]
         plans.update(micro)
     if payload["only"]:
+        unmatched = [pat for pat in payload["only"] if not fnmatch.filter(plans, pat)]
+        if unmatched:  # a typo would silently drop a variant from the comparison
+            raise ValueError(f"--only {' '.join(unmatched)}: matches no hp-rewrite variant of this run; "
+                             f"the variants are: {', '.join(plans)}")
         plans = {n: t for n, t in plans.items() if any(fnmatch.fnmatch(n, pat) for pat in payload["only"])}
     for name, text in plans.items():
         v, info[name] = build_hp(name, ref_model, text, out_dir, ids, labels, denom, overlap=name.endswith("overlap-sync"),
