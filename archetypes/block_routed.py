@@ -46,7 +46,7 @@ def forward(self, hidden_states):
         )
     else:
         routing = hp.call_router_module(self.ROUTER, hidden)
-    ep = self.EXPERTS.hp_expert_parallel
+    ep = hp.binding_of(self.EXPERTS)  # through a PEFT wrapper too
     state = hp.dispatch(
         hidden,
         routing.indices,

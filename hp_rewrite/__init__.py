@@ -17,6 +17,8 @@ _LAZY = {
     "rewrite_model": "hp_rewrite.loading.patch",
     "sync_gradients": "hp_rewrite.training",
     "gradient_sync": "hp_rewrite.training",
+    "prepare_trainer": "hp_rewrite.training",
+    "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
     "interleave": "hp_rewrite.runtime.turns",
     "Interleaver": "hp_rewrite.runtime.turns",

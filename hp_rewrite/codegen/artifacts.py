@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import transformers
 
 from .. import __version__
+from .specialize import templates_hash
 
 MODULE_FILE = "modeling_ep.py"
 MANIFEST_FILE = "manifest.json"
@@ -106,6 +108,7 @@ def build_manifest(functions: list[GeneratedFunction], plan_hash: str, config, m
         "hp_rewrite": __version__,
         "transformers": transformers.__version__,
         "model_type": model_type,
+        "templates_sha256": templates_hash(),
         "plan_hash": plan_hash,
         "config_hash": sha256(config.to_json_string(use_diff=False)),
         "classes": {
@@ -162,11 +165,20 @@ def write_artifact(functions: list[GeneratedFunction], plan_hash: str, config, m
 
 
 def import_artifact(artifact: Artifact):
-    """Import ``modeling_ep.py`` from its file, so tracebacks and inspect.getsource show real lines."""
+    """Import ``modeling_ep.py`` from its file, so tracebacks and inspect.getsource show real lines.
+
+    The module is registered in ``sys.modules`` under its name: torch.compile (dynamo) and pickle
+    look functions up by ``__module__``. The name carries the artifact's content hash, so one name
+    is always the same code; a second import of it reuses the first.
+    """
     name = f"hp_rewrite_generated_{artifact.directory.name.replace('-', '_').replace('.', '_')}"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")) == artifact.module_path:
+        return loaded
     spec = importlib.util.spec_from_file_location(name, artifact.module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    sys.modules[name] = module
     return module
 
 
@@ -195,6 +207,8 @@ def find_current(out_dir: Path, plan_hash: str, config) -> Artifact | None:
         if (manifest.get("plan_hash"), manifest.get("config_hash")) != (plan_hash, config_hash):
             continue
         if (manifest.get("hp_rewrite"), manifest.get("transformers")) != (__version__, transformers.__version__):
+            continue
+        if manifest.get("templates_sha256") != templates_hash():
             continue
         classes_ok = all(
             (cls := _class_by_qualname(q)) is not None and class_source_hash(cls) == entry["source_sha256"]

@@ -13,6 +13,7 @@ generated code.
 from __future__ import annotations
 
 import os
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..plan import Plan, load_plan
 from ..runtime import ExpertParallelError, ExpertParallelGroup, build_expert_parallel_group
+from ..runtime.engines import EngineGuard, install_engine_guard
 
 PLAN_ENV = "HP_REWRITE_PLAN"
 DEFAULT_ARTIFACT_DIR = Path.home() / ".cache" / "hp-rewrite"
@@ -37,6 +39,7 @@ class RewriteInfo:
     artifact_dir: Path
     patched: list[str]
     load_report: dict | None = None  # set when only local experts were read (loading.local)
+    engine: EngineGuard | None = None  # DDP contract and refusals (runtime.engines)
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -63,6 +66,7 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
 
     if getattr(model, "hp_rewrite", None) is not None:
         return model
+    refuse_wrapped(model)
     ep = ep or expert_parallel_group_for(plan)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     distributed = dist.is_available() and dist.is_initialized()
@@ -77,8 +81,27 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
     return attach(model, RewriteInfo(plan, ep, artifact.directory, patched))
 
 
+def refuse_wrapped(model: nn.Module) -> None:
+    """Rewrite the model, then wrap it: a DDP or FSDP built first holds the replaced expert weights."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    for m in model.modules():
+        if isinstance(m, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
+            raise ExpertParallelError(
+                f"{type(m).__name__} wraps the model (or part of it) before the rewrite: rewrite first "
+                "(auto_patch / from_pretrained / rewrite_model on the unwrapped model), then wrap the result"
+            )
+
+
 def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
-    """Mark a rewritten model: ``model.hp_rewrite`` and a save_pretrained that gathers the experts."""
+    """Mark a rewritten model: ``model.hp_rewrite``, the engine guard (runtime.engines) and a
+    save_pretrained that gathers the experts."""
+    from .save import load_full_checkpoints, refuse_partial_adapter_state
+
+    info.engine = install_engine_guard(model, info.ep)
+    load_full_checkpoints(model)
+    refuse_partial_adapter_state(model)
     model.hp_rewrite = info
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained
@@ -107,15 +130,41 @@ def _local_checkpoint(args, kwargs) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+# accelerate's documented pattern calls save_pretrained on every rank with these; they do not change
+# what is written (safetensors shards with the in-memory names, written by global rank 0)
+_SAVE_KWARGS = {"is_main_process", "state_dict", "save_function", "safe_serialization", "max_shard_size"}
+
+
 def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
-    """Gather the experts and write a standard checkpoint (see :mod:`hp_rewrite.loading.save`)."""
+    """Gather the experts and write a standard checkpoint (see :mod:`hp_rewrite.loading.save`).
+
+    Collective: every rank calls it (transformers ``Trainer`` calls it on rank 0 only: use
+    ``hp_rewrite.prepare_trainer(trainer)``)."""
     from .save import save_pretrained
 
-    if args or kwargs:
+    caller = sys._getframe(1).f_code
+    if caller.co_name == "_save" and Path(caller.co_filename).name == "trainer.py":
         raise ExpertParallelError(
-            f"save_pretrained of an expert-parallel model takes only the directory (got {sorted(kwargs)}); "
-            "it writes safetensors shards with the model's in-memory names"
+            "transformers Trainer saves the model from rank 0 alone, and the other ranks hold experts it "
+            "needs: call hp_rewrite.prepare_trainer(trainer) on every rank before train(), which makes "
+            "save_model and checkpoints gather the experts"
         )
+    unknown = set(kwargs) - _SAVE_KWARGS
+    if args or unknown or kwargs.get("safe_serialization", True) is False:
+        raise ExpertParallelError(
+            f"save_pretrained of an expert-parallel model: unsupported arguments {sorted(unknown) or list(args)}; "
+            "it writes safetensors shards with the model's in-memory names (push_to_hub, variants and "
+            ".bin files are not supported)"
+        )
+    state_dict = kwargs.get("state_dict")
+    if state_dict is not None:
+        own = {id(t) for t in self.state_dict(keep_vars=True).values()} | {
+            t.data_ptr() for t in self.state_dict().values()}
+        if any(id(t) not in own and t.data_ptr() not in own for t in state_dict.values()):
+            raise ExpertParallelError(
+                "save_pretrained(state_dict=...) of an expert-parallel model: the state dict holds tensors "
+                "that are not the model's own; the experts are gathered from the model itself"
+            )
     return save_pretrained(self, save_directory)
 
 

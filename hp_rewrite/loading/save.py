@@ -4,8 +4,9 @@ Experts are gathered to global rank 0 one experts holder at a time, and each hol
 go to their own safetensors shard before the next holder is gathered, so rank 0 never holds more
 than the non-expert weights plus one layer's experts. The names are the model's in-memory names
 (fused ``gate_up_proj`` / ``down_proj``), which unmodified transformers loads directly; an index
-file maps names to shards. Everything is written into a temporary directory and renamed into
-place, so an interrupted save leaves no half-written checkpoint.
+file maps names to shards. Everything is written into a temporary directory first and moved into
+place (see :func:`_publish`), so an interrupted save leaves no half-written checkpoint, and saving
+into an existing directory keeps the files that are not weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+
+from ..runtime import ExpertParallelError
+from ..runtime.gradients import rank_local_modules
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -45,6 +49,27 @@ def _gather_full(param: torch.Tensor, binding) -> torch.Tensor | None:
     for r, part in enumerate(parts):  # rank r's rows are its experts, ascending (the plan's placement)
         full[list(placement.experts_of(r))] = part
     return full
+
+
+_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the files written in ``tmp`` into ``out``. A new directory appears whole (one rename); an
+    existing one (a Trainer run directory, a checkpoint folder...) keeps its other files, loses only
+    the weight files of an earlier save, and gets the index last, so a reader never finds an index
+    that names missing shards."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    new = {f.name for f in tmp.iterdir()}
+    for pattern in _WEIGHT_FILES:
+        for stale in out.glob(pattern):
+            if stale.name not in new:
+                stale.unlink()
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == INDEX_FILE):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
@@ -97,9 +122,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
             generation = getattr(model, "generation_config", None)
             if generation is not None:
                 generation.save_pretrained(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            _publish(tmp, out)
             tmp = None
     finally:
         if tmp is not None:
@@ -107,3 +130,54 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
         if distributed:
             dist.barrier()
     return out
+
+
+def load_full_checkpoints(model: nn.Module) -> None:
+    """Let ``load_state_dict`` take a full checkpoint's experts: each rank keeps its own rows.
+
+    What :func:`save_pretrained` writes (and unmodified transformers writes) holds every expert; the
+    expert-parallel model holds this rank's. Loaders that call ``load_state_dict`` on the model or on a
+    wrapper of it (Trainer's ``resume_from_checkpoint``, PEFT, user code) then work unchanged; a tensor
+    of neither the local nor the full shape is left for ``load_state_dict`` to reject.
+    """
+
+    def slice_experts(module, state_dict, prefix, *_):
+        for path, holder in _holders(module):
+            placement = holder.hp_expert_parallel.placement
+            for w in holder.hp_layout.weight_names:
+                key = f"{prefix}{path}.{w}"
+                t, local = state_dict.get(key), getattr(holder, w)
+                if t is not None and t.shape != local.shape and tuple(t.shape) == (
+                    placement.num_experts, *local.shape[1:]
+                ):
+                    state_dict[key] = t[placement.local_index]
+
+    model.register_load_state_dict_pre_hook(slice_experts)
+
+
+def refuse_partial_adapter_state(model: nn.Module) -> None:
+    """A state dict of an expert-parallel model with PEFT adapters on its experts is an error.
+
+    Each rank trains the adapters of its own experts, so one rank's state dict holds a fraction of
+    them under the full model's names: PEFT's ``save_pretrained`` (from rank 0, as Trainer calls it)
+    would write them as if they were all. Merging the adapters and saving with
+    :func:`save_pretrained` from every rank writes the whole model.
+    """
+
+    def check(module, state_dict, prefix, local_metadata):
+        holders = _holders(module)
+        if not holders or all(h.hp_expert_parallel.ep.size == 1 for _, h in holders):
+            return
+        weights = {id(getattr(h, w)) for _, h in holders for w in h.hp_layout.weight_names}
+        adapters = [f"{path}.{n}" if path else n for path, m in rank_local_modules(module)
+                    for n, p in m.named_parameters() if id(p) not in weights]
+        adapters = [n for n in adapters if f"{prefix}{n}" in state_dict]
+        if adapters:
+            raise ExpertParallelError(
+                f"state_dict of an expert-parallel model with adapters on its experts ({adapters[0]}, ...): each "
+                "rank holds only its own experts' adapters, so this would save (or restore) a fraction of them. "
+                "Merge them (peft_model.merge_and_unload()) and save with hp_rewrite.save_pretrained(model, dir) "
+                "on every rank"
+            )
+
+    model.register_state_dict_post_hook(check)

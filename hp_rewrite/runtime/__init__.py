@@ -9,10 +9,23 @@ from .capacity import CapacityResult, apply_capacity, expert_capacity
 from .comm import PendingExchange, all_to_all, all_to_all_async
 from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward
 from .errors import ExpertParallelError
-from .experts import ExpertsLayout, LocalBatch, local_experts_forward, resolve_compute, shard_experts
-from .gradients import GradientSync, expert_parameters, sync_gradients
+from .experts import (
+    ExpertsLayout,
+    LocalBatch,
+    holder_of,
+    local_experts_forward,
+    resolve_compute,
+    shard_experts,
+)
+from .gradients import (
+    GradientSync,
+    expert_parameters,
+    rank_local_names,
+    rank_local_parameters,
+    sync_gradients,
+)
 from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
-from .install import ExpertParallelBinding, install_expert_parallel
+from .install import ExpertParallelBinding, binding_of, install_expert_parallel
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
@@ -35,6 +48,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_async",
     "apply_capacity",
+    "binding_of",
     "build_expert_parallel_group",
     "call_router_module",
     "dispatch",
@@ -53,4 +67,7 @@ __all__ = [
     "sync_gradients",
     "GradientSync",
     "expert_parameters",
+    "holder_of",
+    "rank_local_names",
+    "rank_local_parameters",
 ]

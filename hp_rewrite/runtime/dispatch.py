@@ -36,7 +36,7 @@ from torch import nn
 
 from . import comm, dedup
 from .capacity import apply_capacity, count_per_expert
-from .experts import LocalBatch, local_experts_forward
+from .experts import LocalBatch, holder_of, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 
@@ -225,8 +225,9 @@ def _weight_grads(ep: ExpertParallelGroup, options: RuntimeOptions):
 
 
 def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
-    if via_call and getattr(experts, "hp_expert_parallel", None) is not None:
-        return experts(batch)  # through __call__: FSDP and other module hooks fire
+    if via_call and holder_of(experts) is not None:
+        # through __call__ (of a wrapper too): FSDP and other module hooks fire, PEFT adapters apply
+        return experts(batch)
     return local_experts_forward(experts, batch, getattr(experts, "hp_layout", None))
 
 
@@ -237,7 +238,8 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     """
     if state.done:
         raise RuntimeError("experts_and_combine called twice on the same dispatch state")
-    binding = getattr(experts, "hp_expert_parallel", None)
+    holder = holder_of(experts)
+    binding = holder.hp_expert_parallel if holder is not None else None
     if binding is not None and binding.placement != state.placement:
         # rows were sent to the ranks of another placement: they would meet the wrong experts
         raise ValueError(
@@ -246,7 +248,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
             "placement=experts.hp_expert_parallel.placement to dispatch"
         )
     state.done = True
-    experts.hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
+    (holder or experts).hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     ep, opts = state.ep, state.options
     combines = []
     k, hidden_size = state.top_k, state.hidden_shape[-1]

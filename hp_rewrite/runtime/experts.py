@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import npu
+from . import grouped_op, npu
 from .deferred import DeferredGroupedMM, WeightGradQueue, refuse_hooked
 from .errors import ExpertParallelError
 
@@ -103,6 +103,19 @@ class ExpertsLayout:
         )
 
 
+def holder_of(module: nn.Module) -> nn.Module | None:
+    """The expert-parallel holder ``module`` is or wraps (PEFT's ``ParamWrapper`` keeps it as
+    ``base_layer``, nested once per targeted parameter); None when it is neither."""
+    seen = 0
+    while module is not None and seen < 16:
+        if getattr(module, "hp_expert_parallel", None) is not None:
+            return module
+        module = getattr(module, "base_layer", None)
+        module = module if isinstance(module, nn.Module) else None
+        seen += 1
+    return None
+
+
 @dataclass
 class LocalBatch:
     """Rows for this rank's experts, grouped by local expert.
@@ -163,6 +176,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _grouped_mm(x: torch.Tensor, w_in_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # traceable for every dtype (see grouped_op)
+        return grouped_op.grouped_mm(x, w_in_out, offsets)
     mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
     return _ContiguousGrad.apply(mm(x, w_in_out, offs=offsets))
 
@@ -179,7 +194,9 @@ def _project(
 ) -> torch.Tensor:
     """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
     w_in_out = weight if transposed else weight.transpose(1, 2)
-    deferred = batch.weight_grads is not None and weight.requires_grad and torch.is_grad_enabled()
+    # deferred gradients go into a parameter's .grad: a computed weight (a PEFT adapter's W + BA)
+    # takes the plain path, whose autograd carries the gradient to the adapter
+    deferred = batch.weight_grads is not None and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
     if kind == "npu":
         out = npu.grouped_matmul(x, w_in_out, batch.counts)
     elif kind == "grouped" and deferred:

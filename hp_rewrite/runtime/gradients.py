@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .experts import holder_of
+from .gradnorm import mark_expert_grads
 from .groups import ExpertParallelGroup
 
 
@@ -37,6 +39,37 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
         if getattr(module, "hp_expert_parallel", None) is not None:
             params.extend(getattr(module, name) for name in module.hp_layout.weight_names)
     return params
+
+
+def rank_local_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module whose parameters exist only on this EP rank: the experts
+    holders and whatever wraps them (LoRA adapters of the local experts), outermost first."""
+    found, inside = [], set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if holder_of(module) is not None:
+            found.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def rank_local_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter that differs between the ranks of an EP group (expert weights, and adapters
+    trained on them), in ``model.parameters()`` order: the same order on every rank."""
+    local = {id(p) for _, m in rank_local_modules(model) for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) in local]
+
+
+def rank_local_names(model: nn.Module) -> list[str]:
+    """Names (relative to ``model``) of the rank-local parameters and of the buffers of the modules
+    holding them: what a data-parallel wrapper must neither broadcast nor average."""
+    names = []
+    for prefix, module in rank_local_modules(model):
+        dot = f"{prefix}." if prefix else ""
+        names += [dot + n for n, _ in module.named_parameters()]
+        names += [dot + n for n, _ in module.named_buffers()]
+    return names
 
 
 def defers_expert_grads(model: nn.Module) -> bool:
@@ -66,7 +99,8 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
-    experts = {id(p) for p in expert_parameters(model)}
+    local_params = rank_local_parameters(model)
+    experts = {id(p) for p in local_params}
     expert_grads, replicated_grads = [], []
     for p in model.parameters():
         if not p.requires_grad:
@@ -79,6 +113,7 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
     replica = ep.replica_group if ep.replica_size > 1 else False
     for dtype in sorted({g.dtype for g in expert_grads}, key=str):
         _all_reduce_mean([g for g in expert_grads if g.dtype == dtype], replica, world)
+    mark_expert_grads([p for p in local_params if p.requires_grad], ep.group)  # global norms in clip_grad_norm_
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
@@ -110,8 +145,10 @@ class GradientSync:
     without hooks: their buckets come last and start in :meth:`wait`.
     """
 
-    def __init__(self, model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES,
+                 guard=None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
+        self._guard = guard  # runtime.engines.EngineGuard: refuses to reduce again what DDP reduced
         self.buckets: list[_Bucket] = []
         self.overlapped = 0  # buckets of the last step whose all-reduce started during backward
         self._next = 0  # the first bucket not started yet
@@ -120,7 +157,9 @@ class GradientSync:
         if not self.enabled:
             return
         self.world = dist.get_world_size()
-        experts = {id(p) for p in expert_parameters(model)}
+        self._ep_group = ep.group
+        experts = {id(p) for p in rank_local_parameters(model)}
+        self._local = [p for p in model.parameters() if id(p) in experts and p.requires_grad]
         # expert gradients: summed over the replicas of the same experts (nothing to sum with one replica)
         expert_group = ep.replica_group if ep.replica_size > 1 else False
         params = [p for p in model.parameters() if p.requires_grad]
@@ -144,6 +183,8 @@ class GradientSync:
     def _ready(self, p: nn.Parameter) -> None:
         if not self._syncing:
             return
+        if self._guard is not None:
+            self._guard.refuse_manual_sync("GradientSync")
         bucket = self._bucket_of[id(p)]
         if id(p) in bucket.ready:
             raise RuntimeError(
@@ -167,6 +208,8 @@ class GradientSync:
         """Finish this step's reductions; afterwards every ``p.grad`` follows the contract."""
         if not self.enabled:
             return
+        if self._guard is not None:
+            self._guard.refuse_manual_sync("GradientSync")
         self.overlapped = self._next
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
@@ -181,6 +224,7 @@ class GradientSync:
             bucket.ready.clear()
             bucket.buffer = bucket.work = None
         self._next = 0
+        mark_expert_grads(self._local, self._ep_group)  # global norms in clip_grad_norm_
 
     @contextmanager
     def no_sync(self):

@@ -23,7 +23,7 @@ from torch import nn
 
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
-from .experts import ExpertsLayout, LocalBatch, local_experts_forward, shard_experts
+from .experts import ExpertsLayout, LocalBatch, holder_of, local_experts_forward, shard_experts
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 
@@ -55,6 +55,15 @@ def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_we
         placement=binding.placement,
     )
     return experts_and_combine(state, self, via_call=False)
+
+
+def binding_of(experts: nn.Module) -> ExpertParallelBinding:
+    """The EP binding of an installed experts holder, or of the holder a wrapper (PEFT's
+    ``ParamWrapper``) keeps as ``base_layer``: what generated block code dispatches with."""
+    holder = holder_of(experts)
+    if holder is None:
+        raise ExpertParallelError(f"{type(experts).__name__} is not an expert-parallel experts holder")
+    return holder.hp_expert_parallel
 
 
 def install_expert_parallel(

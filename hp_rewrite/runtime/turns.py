@@ -72,6 +72,11 @@ class _Turns:
 _TURN: ContextVar[tuple[_Turns, int] | None] = ContextVar("hp_rewrite_turn", default=None)
 
 
+def in_interleaved_step() -> bool:
+    """Whether this thread runs a step of :meth:`Interleaver.run`."""
+    return _TURN.get() is not None
+
+
 def give_turn() -> None:
     """Let the next micro-batch run until it reaches a wait of its own (no-op outside
     :meth:`Interleaver.run`).

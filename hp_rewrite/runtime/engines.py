@@ -1,0 +1,220 @@
+"""An expert-parallel model inside the data-parallel engines users wrap around it.
+
+DDP (what transformers ``Trainer`` and ``accelerate.prepare`` build on several ranks) averages every
+gradient over the world and, when it is built, broadcasts rank 0's parameters to the others. Both
+are right for the replicated weights and wrong for the expert weights, which differ from rank to
+rank. :class:`EngineGuard`, installed on every rewritten model, splits the work the way Megatron and
+torchtitan do:
+
+* the model's ``_ddp_params_and_buffers_to_ignore`` lists the rank-local parameters (expert weights
+  and adapters trained on them), so a DDP built around the model (or around PEFT's or
+  ``torch.compile``'s wrapper of it) neither broadcasts nor averages them;
+* at the end of a backward that DDP synchronises (not inside ``no_sync()``), the guard sums those
+  gradients over the expert-replica group and divides by the world size, the divisor DDP uses for the
+  rest: each already holds the sum over its EP group (the reverse all-to-all brought the other
+  ranks' tokens home), so the result is the unmodified model's full-batch gradient;
+* their gradients are :class:`~.gradnorm.ExpertGrad`, so the plain ``clip_grad_norm_`` counts each
+  expert once and every rank clips by the same coefficient.
+
+What cannot be made exact is refused at the forward that would use it, naming the fix: a DDP that
+manages rank-local parameters or was built before the rewrite, a DDP over part of the world, FSDP
+(FSDP1 or FSDP2's ``fully_shard``) over rank-local weights, DDP with the ``Interleaver``, and manual
+gradient synchronisation on top of DDP.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import ExpertParallelError
+from .gradients import _all_reduce_mean, rank_local_modules, rank_local_names, rank_local_parameters
+from .gradnorm import mark_expert_grads
+from .groups import ExpertParallelGroup
+from .turns import in_interleaved_step
+
+# Where wrappers put the model: PEFT (PeftModel -> LoraModel -> model) and torch.compile
+# (OptimizedModule._orig_mod). A DDP built around a wrapper reads the ignore list through the
+# wrapper's attribute fallback, so the names are listed under each prefix.
+WRAPPER_PREFIXES = ("", "base_model.model.", "_orig_mod.", "_orig_mod.base_model.model.")
+
+
+class RankLocalNames:
+    """The model's ``_ddp_params_and_buffers_to_ignore``: iterated when a DDP is built (after any
+    PEFT wrapping), so adapters added on the experts since the rewrite are listed too."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+
+    def __iter__(self):
+        model = self._model()
+        names = rank_local_names(model) if model is not None else []
+        return iter([prefix + n for prefix in WRAPPER_PREFIXES for n in names])
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _tensors_in(value, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a model output (ModelOutput, tuple, dict), not looking into caches."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 3:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    return []
+
+
+class EngineGuard:
+    """Per rewritten model: the DDP contract for rank-local parameters and the refusals (module doc).
+
+    ``under_ddp``: the last forward ran inside a DistributedDataParallel; ``ddp_sync``: its backward
+    synchronises gradients. ``reductions`` counts the end-of-backward reductions (tests, diagnostics).
+    """
+
+    def __init__(self, model: nn.Module, ep: ExpertParallelGroup) -> None:
+        self.ep = ep
+        self.under_ddp = False
+        self.ddp_sync = False
+        self.reductions = 0
+        self._model = weakref.ref(model)
+        self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+        self._checked = weakref.WeakSet()  # DDP wrappers already validated
+        self._tasks: set[int] = set()  # backward passes (graph tasks) with a reduction queued
+        model._ddp_params_and_buffers_to_ignore = RankLocalNames(model)
+        self._handles = [
+            model.register_forward_pre_hook(self._before_forward),
+            model.register_forward_hook(self._after_forward),
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def _before_forward(self, module: nn.Module, args) -> None:
+        self._refuse_sharded_experts()
+        ddp = _ddp_class()._get_active_ddp_module()
+        if ddp is None or not self._wraps(ddp, module):
+            self.under_ddp = False
+            return
+        if ddp not in self._checked:
+            self._check_ddp(ddp, module)
+            self._checked.add(ddp)
+        if in_interleaved_step():
+            raise ExpertParallelError(
+                "hp_rewrite.Interleaver runs several backward passes of one rank at once, which "
+                "DistributedDataParallel does not support: use the Interleaver in a loop without DDP and "
+                "synchronise with hp_rewrite.sync_gradients(model)"
+            )
+        self.under_ddp = True
+        self.ddp_sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+
+    @torch.compiler.disable
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        if not (self.under_ddp and self.ddp_sync and torch.is_grad_enabled()):
+            return
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:  # the first gradient that reaches an output starts this backward's reduction
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward, mode="any")
+
+    @staticmethod
+    def _wraps(ddp: nn.Module, module: nn.Module) -> bool:
+        return any(m is module for m in ddp.module.modules())
+
+    def _refuse_sharded_experts(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for holder in self._holders:
+            for name in holder.hp_layout.weight_names:
+                p = holder._parameters.get(name)
+                if p is None or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):
+                    raise ExpertParallelError(
+                        f"{type(holder).__name__}.{name} is sharded by FSDP (FSDP1 or fully_shard): FSDP "
+                        "treats each rank's own experts as shards of one tensor and mixes different experts. "
+                        "Wrap the rewritten model in DistributedDataParallel (or Trainer / accelerate without "
+                        "an FSDP plugin), or synchronise with hp_rewrite.sync_gradients(model); apply FSDP "
+                        "only to modules without experts"
+                    )
+
+    def _check_ddp(self, ddp: nn.Module, model: nn.Module) -> None:
+        world = dist.get_world_size()
+        if dist.get_world_size(ddp.process_group) != world:
+            raise ExpertParallelError(
+                f"DistributedDataParallel runs over {dist.get_world_size(ddp.process_group)} of the {world} "
+                "ranks: expert-parallel models need DDP over the whole world (the default process group)"
+            )
+        current = {id(p) for p in ddp.module.parameters()}
+        if any(id(p) not in current for p in ddp._module_parameters):
+            raise ExpertParallelError(
+                "this DistributedDataParallel was built before hp-rewrite rewrote the model: it still holds "
+                "the full expert weights that were replaced by this rank's experts. Rewrite (auto_patch / "
+                "from_pretrained / rewrite_model) first, then wrap the rewritten model in DDP"
+            )
+        managed = {id(p) for p in ddp._module_parameters}
+        names = {id(p): n for n, p in model.named_parameters()}
+        bad = [names.get(id(p), "?") for p in rank_local_parameters(model) if id(p) in managed]
+        if bad:
+            raise ExpertParallelError(
+                f"DistributedDataParallel manages {len(bad)} rank-local expert parameter(s) ({bad[0]}, ...): "
+                "when it was built it copied rank 0's experts over the other ranks', and it would average "
+                "different experts' gradients. Build DDP around the rewritten model, a PEFT model of it, or "
+                "torch.compile of it (their rank-local parameters are ignored automatically); for another "
+                "wrapper call DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, "
+                "hp_rewrite.rank_local_names(wrapper)) before building DDP, and load the weights again"
+            )
+
+    # -- backward ----------------------------------------------------------------------------------
+
+    def _on_backward(self, _grad) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task))
+
+    def _finish(self, task: int) -> None:
+        """End of a DDP-synchronised backward: rank-local gradients summed over the replicas, / world."""
+        self._tasks.discard(task)
+        model = self._model()
+        if model is None:
+            return
+        self.ep.weight_grads.flush()  # runtime.defer_expert_grads: the deferred parts first
+        params = [p for p in rank_local_parameters(model) if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
+                p.grad = torch.zeros_like(p)
+        replica = self.ep.replica_group if self.ep.replica_size > 1 else False
+        world = dist.get_world_size()
+        for dtype in sorted({p.grad.dtype for p in params}, key=str):
+            _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, world)
+        mark_expert_grads(params, self.ep.group)
+        self.reductions += 1
+
+    def refuse_manual_sync(self, what: str) -> None:
+        """``sync_gradients`` / ``GradientSync`` on a model that DDP already synchronises would reduce
+        every gradient twice."""
+        if self.under_ddp:
+            raise ExpertParallelError(
+                f"{what}: this model runs inside DistributedDataParallel, which (with hp-rewrite's expert "
+                "reduction) already gives every gradient the unmodified model's value after backward(); "
+                f"remove the {what} call"
+            )
+
+
+def install_engine_guard(model: nn.Module, ep: ExpertParallelGroup) -> EngineGuard | None:
+    """Install the guard on a rewritten model (nothing to guard without expert-parallel holders)."""
+    if not rank_local_modules(model):
+        return None
+    return EngineGuard(model, ep)

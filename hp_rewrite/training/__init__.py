@@ -1,0 +1,55 @@
+"""Training a rewritten model: gradient synchronisation for hand-written loops, and the engines.
+
+A model rewritten by ``auto_patch`` / ``from_pretrained`` is exact inside ``DistributedDataParallel``
+as built by the user, transformers ``Trainer`` or accelerate (see :mod:`hp_rewrite.runtime.engines`).
+Without DDP, :func:`sync_gradients` (after backward) or :func:`gradient_sync` (during it) apply the
+same contract. :func:`prepare_trainer` makes a ``Trainer`` save and resume the rank-local experts.
+See docs/training.md.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..runtime import gradients
+
+
+def sync_gradients(model: nn.Module) -> None:
+    """Apply the EP x DP gradient contract (see :mod:`hp_rewrite.runtime.gradients`) to a model
+    rewritten by ``auto_patch`` / ``from_pretrained`` (it knows its EP group). Not on top of DDP."""
+    info = info_of(model, "sync_gradients")
+    if info.engine is not None:
+        info.engine.refuse_manual_sync("sync_gradients")
+    gradients.sync_gradients(rewritten_model(model), info.ep)
+
+
+def rewritten_model(model: nn.Module) -> nn.Module | None:
+    """The rewritten model itself, inside whatever wraps it (PEFT, DDP, torch.compile)."""
+    for m in model.modules():
+        if getattr(m, "hp_rewrite", None) is not None:
+            return m
+    return None
+
+
+def info_of(model: nn.Module, what: str):
+    """``model.hp_rewrite`` of the rewritten model inside ``model``, or a clear error."""
+    inner = rewritten_model(model)
+    if inner is None:
+        raise ValueError(f"{what}: this model was not rewritten by hp-rewrite (no model.hp_rewrite)")
+    return inner.hp_rewrite
+
+
+def gradient_sync(model: nn.Module) -> gradients.GradientSync:
+    """The same contract as :func:`sync_gradients`, overlapped with backward (see
+    :class:`hp_rewrite.runtime.gradients.GradientSync`): create once, call ``.wait()`` after every
+    ``backward()``."""
+    info = info_of(model, "gradient_sync")
+    return gradients.GradientSync(rewritten_model(model), info.ep, guard=info.engine)
+
+
+def prepare_trainer(trainer):
+    """Make a transformers ``Trainer`` (or a subclass: TRL's ``SFTTrainer``...) save, checkpoint and
+    resume an expert-parallel model exactly (see :mod:`hp_rewrite.training.trainer`)."""
+    from .trainer import prepare_trainer as prepare
+
+    return prepare(trainer)

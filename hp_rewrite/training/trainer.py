@@ -1,0 +1,181 @@
+"""transformers ``Trainer`` (and its subclasses, TRL's ``SFTTrainer`` among them) with an
+expert-parallel model.
+
+Training itself needs nothing: Trainer wraps the model in DDP through accelerate, and the model's
+engine guard makes DDP and ``clip_grad_norm_`` exact (:mod:`hp_rewrite.runtime.engines`). Saving and
+resuming do, because Trainer writes from rank 0 alone and each rank holds different experts:
+
+* ``save_model`` (also called for every checkpoint) becomes collective: the experts are gathered
+  and rank 0 writes a standard checkpoint that unmodified transformers loads;
+* a checkpoint gets one small file per rank with the optimizer state of that rank's experts
+  (``optimizer.pt``, written by rank 0, holds rank 0's); resuming puts each rank's back;
+* resuming reads the full checkpoint's experts into each rank's rows (``load_state_dict`` on the
+  rewritten model slices them, see :func:`hp_rewrite.loading.save.load_full_checkpoints`).
+
+FSDP and DeepSpeed plugins are refused: they would shard the rank-local experts as if they were one
+tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from ..loading.save import save_pretrained
+from ..runtime import ExpertParallelError
+from ..runtime.gradients import expert_parameters, rank_local_parameters
+from . import rewritten_model
+
+EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _inner_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+
+
+def _indexed(optimizer, params) -> dict[int, torch.nn.Parameter]:
+    """Position in the optimizer's flat parameter order (the keys of its state dict) -> parameter."""
+    wanted = {id(p) for p in params}
+    flat = [p for group in _inner_optimizer(optimizer).param_groups for p in group["params"]]
+    return {i: p for i, p in enumerate(flat) if id(p) in wanted}
+
+
+def _layout(model) -> list[list[int]]:
+    """Which experts this rank holds, per experts holder: a checkpoint resumes only onto the same."""
+    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
+            if getattr(m, "hp_expert_parallel", None) is not None]
+
+
+def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) -> Path:
+    """Write this rank's expert-parameter optimizer state into ``directory`` (every rank calls it)."""
+    rank, world = _world()
+    inner = _inner_optimizer(optimizer)
+    state = {
+        i: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in inner.state[p].items()}
+        for i, p in _indexed(optimizer, rank_local_parameters(model)).items() if p in inner.state
+    }
+    path = Path(directory) / EXPERT_OPTIMIZER_FILE.format(rank=rank, world=world)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    os.close(fd)
+    try:
+        torch.save({"format": 1, "world": world, "experts": _layout(model), "state": state}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) -> None:
+    """Put back what :func:`save_expert_optimizer_state` wrote for this rank (same world and experts)."""
+    rank, world = _world()
+    path = Path(directory) / EXPERT_OPTIMIZER_FILE.format(rank=rank, world=world)
+    if not path.is_file():
+        found = sorted(p.name for p in Path(directory).glob("hp_rewrite_expert_optimizer-*"))
+        raise ExpertParallelError(
+            f"resume from {directory}: no optimizer state for the experts of rank {rank} of {world} ({path.name}; "
+            f"found {found or 'none'}). Resume at the world size and EP size the checkpoint was written with, "
+            "from a checkpoint written by a Trainer passed to hp_rewrite.prepare_trainer, or with "
+            "save_only_model checkpoints start the optimizer afresh"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved["experts"] != _layout(model):
+        raise ExpertParallelError(
+            f"resume from {directory}: rank {rank} held other experts when the checkpoint was written; resume "
+            "with the plan (ep_size, placement) and world size of the run that wrote it"
+        )
+    inner = _inner_optimizer(optimizer)
+    params = _indexed(optimizer, rank_local_parameters(model))
+    for i, entry in saved["state"].items():
+        p = params[int(i)]
+        inner.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
+
+
+class ExpertParallelCallback(TrainerCallback):
+    """Writes each rank's expert optimizer state with every checkpoint, and puts it back on resume."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.resume_from: str | None = None  # set by the prepared ``train``
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        checkpoint = self.resume_from
+        if checkpoint is None or optimizer is None or not os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+            return  # a fresh start, or a model-only checkpoint: Trainer starts the optimizer afresh too
+        load_expert_optimizer_state(optimizer, rewritten_model(self.trainer.model), checkpoint)
+
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
+        if args.save_only_model or optimizer is None:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        save_expert_optimizer_state(optimizer, rewritten_model(self.trainer.model), folder)
+
+
+def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """Trainer.save_model on every rank: the experts are gathered, rank 0 writes."""
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    save_pretrained(self.model, output_dir)
+    if self.args.should_save:
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def prepare_trainer(trainer):
+    """Make ``trainer`` save, checkpoint and resume its expert-parallel model exactly (module doc).
+
+    Call it on every rank after creating the Trainer and before ``train()``. Returns the trainer.
+    """
+    model = rewritten_model(trainer.model)
+    if model is None:
+        raise ExpertParallelError(
+            "prepare_trainer: the Trainer's model was not rewritten by hp-rewrite; load it with "
+            "hp_rewrite.auto_patch / hp_rewrite.from_pretrained"
+        )
+    if model is not trainer.model:  # a PEFT model: Trainer saves and resumes only its adapters
+        weights = {id(p) for p in expert_parameters(model)}
+        local_adapters = [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
+        if local_adapters and trainer.args.save_strategy != "no":
+            raise ExpertParallelError(
+                "prepare_trainer: the PEFT model trains adapters on the experts, which are rank-local; Trainer "
+                "checkpoints of them are not supported. Train with save_strategy='no', then merge_and_unload() "
+                "and hp_rewrite.save_pretrained(model, dir) on every rank"
+            )
+        return trainer  # adapters on replicated weights only: Trainer's own saving is exact
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ExpertParallelError(
+            "prepare_trainer: the Trainer uses FSDP or DeepSpeed, which would shard each rank's own experts as if "
+            "they were one tensor; train the expert-parallel model with the default DDP (no fsdp / deepspeed "
+            "arguments)"
+        )
+    if getattr(trainer, "hp_rewrite_callback", None) is not None:
+        return trainer
+    callback = ExpertParallelCallback(trainer)
+    trainer.add_callback(callback)
+    trainer.hp_rewrite_callback = callback
+    trainer.save_model = types.MethodType(_save_model, trainer)
+    train = trainer.train
+
+    def train_resumable(resume_from_checkpoint=None, *args, **kwargs):
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        callback.resume_from = checkpoint or None
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    trainer.train = train_resumable
+    return trainer

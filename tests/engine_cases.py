@@ -1,0 +1,250 @@
+"""Training engines around a rewritten model, run on every rank of a real gloo world: DDP as users
+build it (``DistributedDataParallel(model)``), against the unmodified model stepped on the
+concatenated batch of every rank; and the wrappers and calls that must be refused."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hp_rewrite import sync_gradients
+from hp_rewrite.loading.patch import rewrite_model
+from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
+from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import ExpertParallelError, expert_parameters
+from tests.training_cases import _lm_loss, _worst
+
+
+def _optimizer(name: str, params, lr: float):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, eps=1e-4, weight_decay=0.01)
+
+
+def replicated_digest(model) -> str:
+    """A hash of every replicated parameter's bytes: equal on every rank iff they are bit-identical."""
+    experts = {id(p) for p in expert_parameters(model)}
+    h = hashlib.sha256()
+    for p in model.parameters():
+        if id(p) not in experts:
+            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def ddp_training(rank: int, world: int, payload: dict) -> dict:
+    """``steps`` optimizer steps of DDP(rewritten model), each over ``accum`` micro-batches per rank
+    (the non-final ones inside ``no_sync()`` when asked), optionally clipped by the plain
+    ``clip_grad_norm_``, against the unmodified model stepped on the whole batch of each step."""
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    ddp = DDP(model, find_unused_parameters=payload.get("find_unused", False))
+    name, lr, max_norm = payload.get("optimizer", "sgd"), payload.get("lr", 1.0), payload.get("max_norm")
+    opt_ref, opt = _optimizer(name, ref.parameters(), lr), _optimizer(name, model.parameters(), lr)
+    accum, per_rank, seq = payload.get("accum", 1), 2, 8
+    vocab = ref.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(7)
+    out = {"grad_worst": 0.0, "norms": [], "ref_norms": [], "digests": []}
+    for step in range(payload.get("steps", 1)):
+        ids = torch.randint(0, vocab, (world * accum * per_rank, seq), generator=gen)
+        _lm_loss(ref(input_ids=ids).logits, ids).backward()
+        micro = ids.view(accum, world, per_rank, seq)[:, rank]  # micro-batch i of this rank
+        for i in range(accum):
+            last = i == accum - 1
+            ctx = ddp.no_sync() if payload.get("no_sync") and not last else torch.enable_grad()
+            with ctx:
+                (_lm_loss(ddp(input_ids=micro[i]).logits, micro[i]) / accum).backward()
+        if step == 0:
+            out["grad_worst"], out["grad_worst_name"] = _worst(model, ref, lambda p: p.grad, floor_of=lambda ps: max(
+                p.grad.abs().max().item() for p in ps if p.grad is not None) * 1e-3)
+        if max_norm is not None:
+            out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        digests = [None] * world
+        dist.all_gather_object(digests, replicated_digest(model))
+        out["digests"].append(digests)
+    out["worst"], out["worst_name"] = _worst(model, ref, lambda p: p.detach())
+    out["reductions"] = model.hp_rewrite.engine.reductions
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ExpertParallelError as e:
+        return str(e)
+    return ""
+
+
+def ddp_refusals(rank: int, world: int, payload: dict) -> dict:
+    """What DDP cannot do exactly with an expert-parallel model ends in a clear error on every rank."""
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    art = Path(payload["out_dir"])
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    out = {}
+
+    # a DDP built before the rewrite still holds the replaced full expert weights
+    early = DDP(copy.deepcopy(ref))
+    rewrite_model(early.module, plan, artifact_dir=art)
+    out["built_before"] = _error(lambda: early(input_ids=ids))
+    out["rewrite_wrapped"] = _error(lambda: rewrite_model(DDP(copy.deepcopy(ref)), plan, artifact_dir=art))
+
+    # a DDP told to manage the experts (the ignore list replaced) broadcast rank 0's experts
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
+    model._ddp_params_and_buffers_to_ignore = []
+    out["manages_experts"] = _error(lambda: DDP(model)(input_ids=ids))
+
+    # manual synchronisation on top of DDP would reduce every gradient twice
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
+    ddp = DDP(model)
+    _lm_loss(ddp(input_ids=ids).logits, ids).backward()
+    out["sync_twice"] = _error(lambda: sync_gradients(model))
+
+    # the Interleaver runs two backward passes of one rank at once: DDP cannot
+    from hp_rewrite import Interleaver
+
+    def step():
+        _lm_loss(ddp(input_ids=ids).logits, ids).backward()
+
+    with Interleaver() as il:
+        out["interleaver"] = _error(lambda: il.run([step, step]))
+    model.zero_grad()
+
+    # FSDP2 over a decoder layer shards each rank's own experts as if they were one tensor
+    from torch.distributed.fsdp import fully_shard
+
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
+    fully_shard(model.model.layers[0])
+    out["fsdp2"] = _error(lambda: model(input_ids=ids))
+
+    # DDP over part of the world: not the world the expert gradients are divided by
+    alone = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates every group
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
+    out["subgroup"] = _error(lambda: DDP(model, process_group=alone[rank])(input_ids=ids))
+    return out
+
+
+def compile_parity(rank: int, world: int, payload: dict) -> dict:
+    """torch.compile of a rewritten model against the same model in eager mode: logits and every
+    gradient, two steps (the second runs the compiled graphs again, new routing), and where dynamo
+    breaks the graph."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    eager = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    compiled_model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    compiled = torch.compile(compiled_model, backend=payload.get("backend", "inductor"))
+    vocab = ref.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(20 + rank)
+    out = {"logits": 0.0, "grads": 0.0}
+    for _ in range(2):
+        ids = torch.randint(0, vocab, (2, 8), generator=gen)
+        a, b = eager(input_ids=ids).logits, compiled(input_ids=ids).logits
+        out["logits"] = max(out["logits"], ((a - b).abs().max() / a.abs().max()).item())
+        _lm_loss(a, ids).backward()
+        _lm_loss(b, ids).backward()
+        for p, q in zip(eager.parameters(), compiled_model.parameters(), strict=True):
+            err = ((p.grad - q.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
+            out["grads"] = max(out["grads"], err)
+        eager.zero_grad()
+        compiled_model.zero_grad()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"])))(
+        input_ids=torch.randint(0, vocab, (2, 8), generator=gen))
+    out["graphs"], out["breaks"] = explained.graph_count, explained.graph_break_count
+    out["break_sites"] = sorted({f"{Path(r.user_stack[-1].filename).name}:{r.user_stack[-1].lineno}"
+                                 for r in explained.break_reasons if r.user_stack})
+    out["layers"] = ref.config.get_text_config().num_hidden_layers
+    # the local expert compute (gate/up GEMM, activation, down GEMM) of a layer is one region
+    out["grouped_mm_per_graph"] = [n for n in (sum("grouped_mm" in str(node.target) for node in g.graph.nodes)
+                                               for g in explained.graphs) if n]
+    return out
+
+
+def peft_parity(rank: int, world: int, payload: dict) -> dict:
+    """PEFT LoRA inside DDP: on attention (``target_modules``) or on the fused experts
+    (``target_parameters``: each rank trains its own experts' adapters), against the unmodified model
+    with the same adapters on the whole batch; one SGD step; for the experts, merge_and_unload and save."""
+    from peft import LoraConfig, get_peft_model
+
+    from hp_rewrite import save_pretrained
+    from hp_rewrite.runtime import holder_of
+
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    if payload["target"] == "attention":
+        config = dict(target_modules=["q_proj", "v_proj"])
+    else:
+        # with attention too: DDP refuses a model whose only trainable parameters it ignores
+        config = dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    peft_ref = get_peft_model(ref, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
+    torch.manual_seed(3)
+    peft_ep = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
+    ref_modules = dict(peft_ref.named_modules())
+    slicers = {}  # parameter name -> full tensor -> this rank's part (adapters of the local experts)
+    for name, module in peft_ep.named_modules():
+        holder = holder_of(module)
+        if holder is None or module is holder or not hasattr(module, "lora_A"):
+            continue
+        experts = list(holder.hp_expert_parallel.placement.local_experts)
+        n_full = ref_modules[name].num_experts
+        for adapter in module.lora_A:
+            slicers[f"{name}.lora_A.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                n, -1, t.shape[-1])[e].reshape(-1, t.shape[-1])
+            slicers[f"{name}.lora_B.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                t.shape[0], -1, n)[:, :, e].reshape(t.shape[0], -1)
+    ref_params = dict(peft_ref.named_parameters())
+    with torch.no_grad():  # the same adapters: this rank's rows of the full model's
+        for name, p in peft_ep.named_parameters():
+            if name in slicers:
+                p.copy_(slicers[name](ref_params[name]))
+    trainable = [n for n, p in peft_ep.named_parameters() if p.requires_grad]
+    ddp = DDP(peft_ep)
+    vocab = ref.config.vocab_size
+    ids = torch.randint(0, vocab, (2 * world, 8), generator=torch.Generator().manual_seed(9))
+    mine = ids[2 * rank : 2 * rank + 2]
+    _lm_loss(peft_ref(input_ids=ids).logits, ids).backward()
+    _lm_loss(ddp(input_ids=mine).logits, mine).backward()
+
+    def worst(get) -> tuple[float, str]:
+        out = (0.0, "")
+        for name, p in peft_ep.named_parameters():
+            if name not in trainable:
+                continue
+            target = get(ref_params[name])
+            target = slicers[name](target) if name in slicers else target
+            out = max(out, (((get(p) - target).abs().max() / target.abs().max().clamp_min(1e-12)).item(), name))
+        return out
+
+    result = {"trainable": len(trainable), "rank_local_adapters": len(slicers)}
+    result["grad_worst"], result["grad_worst_name"] = worst(lambda p: p.grad)
+    for m in (peft_ref, peft_ep):
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0).step()
+    result["worst"], result["worst_name"] = worst(lambda p: p.detach())
+    if payload["target"] == "experts":  # merged, saved from every rank, loaded by plain transformers
+        from transformers import AutoModelForCausalLM
+
+        merged_ref, merged = peft_ref.merge_and_unload(), peft_ep.merge_and_unload()
+        save_pretrained(merged, Path(payload["out_dir"]) / "merged")
+        if rank == 0:
+            plain = AutoModelForCausalLM.from_pretrained(Path(payload["out_dir"]) / "merged")
+            target = dict(merged_ref.named_parameters())
+            result["merged_worst"] = max(((p - target[n]).abs().max() / target[n].abs().max()).item()
+                                         for n, p in plain.named_parameters())
+    return result

@@ -1,0 +1,197 @@
+"""Engines as users run them, under torchrun (launched by tests/test_engines.py):
+
+    torchrun --standalone --nproc-per-node 2 tests/engine_script.py MODEL_DIR OUT_DIR CASE [CASE ...]
+
+Each case trains the expert-parallel model (``hp_rewrite.from_pretrained``) through an engine and,
+on every rank, the unmodified transformers model (``from_pretrained`` of the same checkpoint)
+stepped by hand on the whole batch of every step: the same samples, the mean loss over all their
+tokens. Every rank writes ``OUT_DIR/<case>-rank<r>.json`` with the worst relative differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import hp_rewrite  # noqa: E402
+from hp_rewrite.runtime import expert_parameters  # noqa: E402
+
+PER_DEVICE, SEQ = 2, 8
+
+
+def _samples(vocab: int, n: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, vocab, (n, SEQ), generator=gen)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _reference(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").train()
+
+
+def _ep_model(model_dir: str, art: Path):
+    return hp_rewrite.from_pretrained(model_dir, plan=ROOT / "plans" / "auto-ep2.yaml", artifact_dir=art,
+                                      attn_implementation="eager")
+
+
+def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm) -> list[float]:
+    """Step the unmodified model on consecutive global batches of ``batch`` samples (mean loss over
+    all their tokens, as Trainer computes it with ``average_tokens_across_devices``)."""
+    norms = []
+    for step in range(steps):
+        chunk = samples[step * batch : (step + 1) * batch]
+        ids = torch.stack([s["input_ids"] for s in chunk])
+        ref(input_ids=ids, labels=ids).loss.backward()
+        if max_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def _worst(model, ref) -> tuple[float, str]:
+    """Worst relative difference of the parameters (each rank's experts against their rows)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    ref_params = dict(ref.named_parameters())
+    worst = (0.0, "")
+    for name, p in model.named_parameters():
+        target = ref_params[name].detach()
+        if id(p) in experts:
+            target = target[model.get_submodule(name.rsplit(".", 1)[0]).hp_expert_parallel.placement.local_index]
+        err = ((p.detach() - target).abs().max() / target.abs().max().clamp_min(1e-12)).item()
+        worst = max(worst, (err, name))
+    return worst
+
+
+def _trainer(model, samples, out_dir, **overrides):
+    from transformers import Trainer, TrainingArguments
+
+    args = dict(output_dir=str(out_dir), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
+                ddp_backend="gloo", report_to=[], optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                weight_decay=0.0, max_grad_norm=0.0, max_steps=1, save_strategy="no", logging_steps=1,
+                train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+                disable_tqdm=True)
+    args.update(overrides)
+    trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=samples)
+    return hp_rewrite.prepare_trainer(trainer)
+
+
+def case_trainer_sgd(model_dir, out, max_norm=0.0):
+    """One SGD step (lr 1) through Trainer equals the unmodified model's full-batch step."""
+    world = dist.get_world_size()
+    ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world)
+    trainer = _trainer(model, samples, out / "sgd", max_grad_norm=max_norm)
+    result = trainer.train()
+    norms = _reference_steps(ref, samples, 1, PER_DEVICE * world, torch.optim.SGD(ref.parameters(), lr=1.0), max_norm)
+    worst, name = _worst(model, ref)
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return {"worst": worst, "worst_name": name, "loss": result.training_loss, "grad_norm": logged,
+            "ref_norms": norms}
+
+
+def case_trainer_sgd_clip(model_dir, out):
+    return case_trainer_sgd(model_dir, out, max_norm=0.5)
+
+
+def _adamw(params):
+    # no weight decay: Trainer leaves norms and biases out of it, a hand-built AdamW would not
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.0)
+
+
+def case_trainer_adamw(model_dir, out):
+    """Three AdamW steps with gradient_accumulation_steps=2 and clipping, a checkpoint after each;
+    then save_model; then a second Trainer resumes from checkpoint-1 and ends where the first did."""
+    from transformers import AutoModelForCausalLM
+
+    world, steps, accum = dist.get_world_size(), 3, 2
+    ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    common = dict(optim="adamw_torch", learning_rate=1e-3, adam_epsilon=1e-4, weight_decay=0.0, max_steps=steps,
+                  gradient_accumulation_steps=accum, max_grad_norm=0.5, save_strategy="steps", save_steps=1)
+    trainer = _trainer(model, samples, out / "adamw", **common)
+    trainer.train()
+    _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
+    worst, name = _worst(model, ref)
+    trainer.save_model(str(out / "adamw" / "final"))
+    result = {"worst": worst, "worst_name": name}
+    if dist.get_rank() == 0:  # unmodified transformers loads every saved model bit for bit
+        for folder in ("final", "checkpoint-3"):
+            plain = AutoModelForCausalLM.from_pretrained(out / "adamw" / folder, attn_implementation="eager")
+            result[f"reload_{folder}"] = _worst(model, plain)[0]
+        result["files"] = sorted(os.listdir(out / "adamw" / "checkpoint-1"))
+    dist.barrier()
+    resumed_model = _ep_model(model_dir, out / "art")
+    resumed = _trainer(resumed_model, samples, out / "adamw", **common)
+    resumed.train(resume_from_checkpoint=str(out / "adamw" / "checkpoint-1"))
+    diffs = [((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12)).item()
+             for a, b in zip(resumed_model.parameters(), model.parameters(), strict=True)]
+    result["resume_worst"] = max(diffs)
+    return result
+
+
+def case_accelerate(model_dir, out):
+    """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps."""
+    from accelerate import Accelerator
+
+    world, steps, accum = dist.get_world_size(), 3, 2
+    ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    # the sampler a user writes for a fixed order: rank r takes every world-th micro-batch
+    ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
+    mine = ids[:, dist.get_rank()]
+    optimizer = _adamw(model.parameters())
+    ddp, optimizer = accelerator.prepare(model, optimizer)
+    norms = []
+    for batch in mine:
+        with accelerator.accumulate(ddp):
+            # mean over this micro-batch; accelerate divides by the accumulation steps
+            loss = ddp(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(ddp.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name, "norms": norms, "ref_norms": ref_norms,
+            "wrapped": type(ddp).__name__}
+
+
+def case_trainer_compile(model_dir, out):
+    """Trainer(torch_compile=True): the compiled expert-parallel model, one SGD step."""
+    world = dist.get_world_size()
+    ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world)
+    trainer = _trainer(model, samples, out / "compile", torch_compile=True, torch_compile_backend="aot_eager")
+    trainer.train()
+    _reference_steps(ref, samples, 1, PER_DEVICE * world, torch.optim.SGD(ref.parameters(), lr=1.0), 0.0)
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name}
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    for case in sys.argv[3:]:
+        result = globals()[f"case_{case}"](model_dir, out)
+        (out / f"{case}-rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
