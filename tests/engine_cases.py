@@ -44,7 +44,11 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
     ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0).train()
     plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
-    ddp = DDP(model, find_unused_parameters=payload.get("find_unused", False))
+    if payload.get("checkpointing"):  # activation checkpointing, as Trainer turns it on
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loop = payload.get("engine") == "loop"  # the hand-written loop: hp_rewrite.sync_gradients, no DDP
+    ddp = model if loop else DDP(model, find_unused_parameters=payload.get("find_unused", False))
     name, lr, max_norm = payload.get("optimizer", "sgd"), payload.get("lr", 1.0), payload.get("max_norm")
     opt_ref, opt = _optimizer(name, ref.parameters(), lr), _optimizer(name, model.parameters(), lr)
     accum, per_rank, seq = payload.get("accum", 1), 2, 8
@@ -60,6 +64,8 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
             ctx = ddp.no_sync() if payload.get("no_sync") and not last else torch.enable_grad()
             with ctx:
                 (_lm_loss(ddp(input_ids=micro[i]).logits, micro[i]) / accum).backward()
+            if loop and (last or payload.get("sync_each")):
+                sync_gradients(model)
         if step == 0:
             out["grad_worst"], out["grad_worst_name"] = _worst(model, ref, lambda p: p.grad, floor_of=lambda ps: max(
                 p.grad.abs().max().item() for p in ps if p.grad is not None) * 1e-3)
@@ -75,6 +81,39 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
         out["digests"].append(digests)
     out["worst"], out["worst_name"] = _worst(model, ref, lambda p: p.detach())
     out["reductions"] = model.hp_rewrite.engine.reductions
+    return out
+
+
+def expert_grad_norms(rank: int, world: int, payload: dict) -> dict:
+    """The norms of an ExpertGrad are those of the whole tensor over the EP group; everything else
+    about it is a plain local tensor."""
+    from hp_rewrite.runtime.gradnorm import mark_expert_grads
+
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world)))
+    gen = torch.Generator().manual_seed(4)
+    full = [torch.randn(world, 3, 5, generator=gen) for _ in range(2)]  # two parameters' full tensors
+    params = [torch.nn.Parameter(f[rank].clone()) for f in full]
+    for p, f in zip(params, full, strict=True):
+        p.grad = f[rank].clone() * 2
+    mark_expert_grads(params, group)
+    plain = torch.nn.Parameter(torch.ones(4))
+    plain.grad = torch.full((4,), 0.5)
+    whole = [f * 2 for f in full]
+    out = {"type": type(params[0].grad).__name__}
+    out["vector_norm"] = [torch.linalg.vector_norm(p.grad).item() for p in params]
+    out["expected"] = [torch.linalg.vector_norm(w).item() for w in whole]
+    out["inf"] = torch.linalg.vector_norm(params[0].grad, float("inf")).item()
+    out["expected_inf"] = whole[0].abs().max().item()
+    out["p3"] = params[1].grad.norm(3).item()
+    out["expected_p3"] = whole[1].norm(3).item()
+    out["foreach"] = [n.item() for n in torch._foreach_norm([params[0].grad, plain.grad, params[1].grad])]
+    out["per_row_is_local"] = torch.equal(torch.linalg.vector_norm(params[0].grad, dim=1), whole[0][rank].norm(dim=1))
+    out["sum_is_local"] = params[0].grad.sum().item() == whole[0][rank].sum().item()
+    out["sum_type"] = type(params[0].grad * 1).__name__
+    total = torch.nn.utils.clip_grad_norm_(params + [plain], 1.0).item()
+    out["clip_total"] = total
+    out["expected_total"] = torch.cat([w.reshape(-1) for w in whole] + [torch.full((4,), 0.5)]).norm().item()
     return out
 
 
@@ -128,6 +167,14 @@ def ddp_refusals(rank: int, world: int, payload: dict) -> dict:
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
     fully_shard(model.model.layers[0])
     out["fsdp2"] = _error(lambda: model(input_ids=ids))
+
+    # FSDP1 flattens the experts into its flat parameter
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for orig in (False, True):
+        model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art)
+        fsdp1 = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=orig)
+        out[f"fsdp1_orig{orig}"] = _error(lambda m=fsdp1: m(input_ids=ids))
 
     # DDP over part of the world: not the world the expert gradients are divided by
     alone = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates every group
@@ -240,6 +287,9 @@ def peft_parity(rank: int, world: int, payload: dict) -> dict:
     if payload["target"] == "experts":  # merged, saved from every rank, loaded by plain transformers
         from transformers import AutoModelForCausalLM
 
+        # one rank's state dict holds a fraction of the adapters: PEFT's save of it is refused
+        result["adapter_state_refused"] = _error(lambda: peft_ep.state_dict())
+
         merged_ref, merged = peft_ref.merge_and_unload(), peft_ep.merge_and_unload()
         save_pretrained(merged, Path(payload["out_dir"]) / "merged")
         if rank == 0:
@@ -248,3 +298,17 @@ def peft_parity(rank: int, world: int, payload: dict) -> dict:
             result["merged_worst"] = max(((p - target[n]).abs().max() / target[n].abs().max()).item()
                                          for n, p in plain.named_parameters())
     return result
+
+
+def generate_parity(rank: int, world: int, payload: dict) -> dict:
+    """Greedy generate() of the rewritten model gives the unmodified model's tokens (EP exchanges in
+    every decoding step, each rank its own prompts)."""
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0)
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
+    prompt = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(30 + rank))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        a, b = ref.generate(prompt, **kwargs), model.generate(prompt, **kwargs)
+    return {"equal": torch.equal(a, b), "new_tokens": a.shape[1] - prompt.shape[1]}

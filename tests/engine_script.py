@@ -181,6 +181,22 @@ def case_trainer_compile(model_dir, out):
     return {"worst": worst, "worst_name": name}
 
 
+def case_trainer_unprepared(model_dir, out):
+    """A Trainer not passed to prepare_trainer saves from rank 0 alone: refused there, clearly."""
+    from transformers import Trainer, TrainingArguments
+
+    from hp_rewrite.runtime import ExpertParallelError
+
+    model = _ep_model(model_dir, out / "art")
+    args = TrainingArguments(output_dir=str(out / "unprepared"), use_cpu=True, ddp_backend="gloo", report_to=[])
+    trainer = Trainer(model=model, args=args)
+    try:
+        trainer.save_model()
+    except ExpertParallelError as e:
+        return {"error": str(e)}
+    return {"error": ""}
+
+
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")

@@ -115,21 +115,6 @@ def test_from_pretrained_one_call(tiny_dir: Path, tmp_path: Path) -> None:
     assert model.hp_rewrite.ep.size == 1 and os.path.isdir(model.hp_rewrite.artifact_dir)
 
 
-def test_train_ep_example_under_torchrun(tiny_dir: Path) -> None:
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(root / "tools" / "train_ep.py"), str(tiny_dir), "--plan", str(root / "plans" / "auto-ep2.yaml"),
-         "--steps", "2"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "step 1: loss" in run.stdout, run.stdout
-
-
 @pytest.mark.parametrize(("world", "ep_size", "plan"), [(2, 2, ""), (4, 2, ""), (4, 2, DEFER)],
                          ids=["ep2", "ep2xdp2", "ep2xdp2-deferred-expert-grads"])
 def test_gradient_sync_during_backward_equals_after(world: int, ep_size: int, plan: str, tmp_path: Path) -> None:

@@ -1,7 +1,13 @@
-"""Fine-tune a MoE checkpoint expert-parallel for a few steps (example; CPU + gloo here).
+"""Fine-tune a MoE checkpoint expert-parallel for a few steps through one of the engines users train
+with (example; CPU + gloo here, the same code on GPUs with nccl):
 
     hp-rewrite make-tiny qwen3_moe /tmp/tiny
-    torchrun --standalone --nproc-per-node 2 tools/train_ep.py /tmp/tiny --plan plans/auto-ep2.yaml --steps 5
+    torchrun --standalone --nproc-per-node 2 tools/train_ep.py /tmp/tiny --engine trainer
+
+--engine loop        a hand-written loop, hp_rewrite.sync_gradients after backward
+--engine ddp         the same loop around torch's DistributedDataParallel
+--engine trainer     transformers Trainer (prepare_trainer: collective saves, resumable checkpoints)
+--engine accelerate  Accelerator.prepare + accumulate + clip_grad_norm_
 """
 
 import argparse
@@ -12,30 +18,82 @@ from transformers import AutoModelForCausalLM
 
 import hp_rewrite
 
+SEQ, BATCH = 32, 2
+
+
+def batches(vocab: int, steps: int, rank: int):
+    data = torch.Generator().manual_seed(rank)  # every rank its own batch (data parallel)
+    return [torch.randint(0, vocab, (BATCH, SEQ), generator=data) for _ in range(steps)]
+
+
+def report(step: int, loss: torch.Tensor) -> None:
+    dist.all_reduce(mean := loss.detach().clone(), op=dist.ReduceOp.AVG)
+    if dist.get_rank() == 0:
+        print(f"step {step}: loss {mean.item():.4f}", flush=True)
+
+
+def loop(model, args) -> None:
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if args.engine == "ddp" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, ids in enumerate(batches(model.config.vocab_size, args.steps, dist.get_rank())):
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if args.engine == "loop":
+            hp_rewrite.sync_gradients(model)  # DDP does this itself (with hp-rewrite's expert reduction)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the global norm: each expert once
+        optimizer.step()
+        optimizer.zero_grad()
+        report(step, loss)
+
+
+def accelerate(model, args) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step, ids in enumerate(batches(model.module.config.vocab_size, 2 * args.steps, dist.get_rank())):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        if step % 2:
+            report(step // 2, loss)
+
+
+def trainer(model, args) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Report(TrainerCallback):
+        def on_log(self, targs, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}) and dist.get_rank() == 0:
+                print(f"step {state.global_step - 1}: loss {logs['loss']:.4f}", flush=True)
+
+    rows = torch.cat(batches(model.config.vocab_size, args.steps, 0))
+    data = [{"input_ids": r, "labels": r} for r in rows.repeat(dist.get_world_size(), 1)]
+    targs = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=BATCH, max_steps=args.steps,
+                              learning_rate=1e-3, use_cpu=True, ddp_backend="gloo", report_to=[], logging_steps=1,
+                              save_strategy="steps", save_steps=args.steps, disable_tqdm=True)
+    t = hp_rewrite.prepare_trainer(Trainer(model=model, args=targs, train_dataset=data, callbacks=[Report()]))
+    t.train()
+    t.save_model()  # every rank: the experts are gathered, rank 0 writes a standard checkpoint
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--plan", default="plans/auto-ep2.yaml")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--engine", choices=["loop", "ddp", "trainer", "accelerate"], default="loop")
+    parser.add_argument("--output-dir", default="/tmp/hp-rewrite-train-ep", help="trainer checkpoints")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    rank = dist.get_rank()
     with hp_rewrite.auto_patch(args.plan):  # from_pretrained returns the expert-parallel model
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="eager")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = torch.Generator().manual_seed(rank)  # every rank its own batch (data parallel)
-    for step in range(args.steps):
-        ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=data)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        hp_rewrite.sync_gradients(model)  # replicated grads: world mean; expert grads: see the contract
-        optimizer.step()
-        optimizer.zero_grad()
-        dist.all_reduce(mean := loss.detach().clone(), op=dist.ReduceOp.AVG)
-        if rank == 0:
-            print(f"step {step}: loss {mean.item():.4f}", flush=True)
+    {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate}[args.engine](model, args)
     dist.destroy_process_group()
 
 

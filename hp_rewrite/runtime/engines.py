@@ -89,7 +89,8 @@ class EngineGuard:
         self._model = weakref.ref(model)
         self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
         self._checked = weakref.WeakSet()  # DDP wrappers already validated
-        self._tasks: set[int] = set()  # backward passes (graph tasks) with a reduction queued
+        self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
+        self._reduced = False  # the rank-local gradients hold reduced (final) values
         model._ddp_params_and_buffers_to_ignore = RankLocalNames(model)
         self._handles = [
             model.register_forward_pre_hook(self._before_forward),
@@ -124,11 +125,12 @@ class EngineGuard:
 
     @torch.compiler.disable
     def _after_forward(self, module: nn.Module, args, output) -> None:
-        if not (self.under_ddp and self.ddp_sync and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
             return
         tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if tensors:  # the first gradient that reaches an output starts this backward's reduction
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward, mode="any")
+        if tensors:  # the first gradient that reaches an output: this forward's backward starts
+            sync = self.under_ddp and self.ddp_sync
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._on_backward(sync), mode="any")
 
     @staticmethod
     def _wraps(ddp: nn.Module, module: nn.Module) -> bool:
@@ -140,7 +142,9 @@ class EngineGuard:
         for holder in self._holders:
             for name in holder.hp_layout.weight_names:
                 p = holder._parameters.get(name)
-                if p is None or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):
+                # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat
+                # parameter) during forward; fully_shard a DTensor
+                if not isinstance(p, nn.Parameter) or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):
                     raise ExpertParallelError(
                         f"{type(holder).__name__}.{name} is sharded by FSDP (FSDP1 or fully_shard): FSDP "
                         "treats each rank's own experts as shards of one tensor and mixes different experts. "
@@ -178,17 +182,40 @@ class EngineGuard:
 
     # -- backward ----------------------------------------------------------------------------------
 
-    def _on_backward(self, _grad) -> None:
+    def _on_backward(self, sync: bool) -> None:
         task = torch._C._current_graph_task_id()
-        if task not in self._tasks:
-            self._tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task))
+        if task in self._tasks:
+            return
+        self._tasks.add(task)
+        self._unreduce()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(task, sync))
 
-    def _finish(self, task: int) -> None:
-        """End of a DDP-synchronised backward: rank-local gradients summed over the replicas, / world."""
+    def mark_reduced(self) -> None:
+        """The rank-local gradients now hold final values (after a reduction): see :meth:`_unreduce`."""
+        self._reduced = True
+
+    def _unreduce(self) -> None:
+        """Before a backward adds to gradients that a reduction already made final, scale those by the
+        EP size, so that the next reduction (a sum over the replicas, divided by the world size) gives
+        them back unchanged: final values are equal on every replica, and replicas x EP = world. So an
+        accumulation that reduces after every micro-batch (DDP without ``no_sync()``, or
+        ``sync_gradients`` called each time) gives the same gradients as one reduction at the end;
+        without this the earlier micro-batches would end up divided by the EP size once more."""
+        model = self._model()
+        if not self._reduced or model is None:
+            return
+        self._reduced = False
+        if self.ep.size > 1:
+            for p in rank_local_parameters(model):
+                if p.grad is not None:
+                    p.grad.mul_(self.ep.size)
+
+    def _finish(self, task: int, sync: bool) -> None:
+        """End of a backward; when DDP synchronises it, the rank-local gradients are summed over the
+        replicas and divided by the world size."""
         self._tasks.discard(task)
         model = self._model()
-        if model is None:
+        if model is None or not sync:
             return
         self.ep.weight_grads.flush()  # runtime.defer_expert_grads: the deferred parts first
         params = [p for p in rank_local_parameters(model) if p.requires_grad]
@@ -201,6 +228,7 @@ class EngineGuard:
             _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, world)
         mark_expert_grads(params, self.ep.group)
         self.reductions += 1
+        self._reduced = True
 
     def refuse_manual_sync(self, what: str) -> None:
         """``sync_gradients`` / ``GradientSync`` on a model that DDP already synchronises would reduce

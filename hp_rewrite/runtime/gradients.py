@@ -225,6 +225,8 @@ class GradientSync:
             bucket.buffer = bucket.work = None
         self._next = 0
         mark_expert_grads(self._local, self._ep_group)  # global norms in clip_grad_norm_
+        if self._guard is not None:
+            self._guard.mark_reduced()  # a later backward adds to final values (EngineGuard._unreduce)
 
     @contextmanager
     def no_sync(self):

@@ -21,6 +21,8 @@ def sync_gradients(model: nn.Module) -> None:
     if info.engine is not None:
         info.engine.refuse_manual_sync("sync_gradients")
     gradients.sync_gradients(rewritten_model(model), info.ep)
+    if info.engine is not None:
+        info.engine.mark_reduced()  # a later backward adds to final values (see EngineGuard._unreduce)
 
 
 def rewritten_model(model: nn.Module) -> nn.Module | None:
