@@ -309,6 +309,9 @@ def generate_parity(rank: int, world: int, payload: dict) -> dict:
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
     prompt = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(30 + rank))
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    twin = copy.deepcopy(model)  # a frozen reference / EMA copy: its own weights, the same EP group
     with torch.no_grad():
-        a, b = ref.generate(prompt, **kwargs), model.generate(prompt, **kwargs)
-    return {"equal": torch.equal(a, b), "new_tokens": a.shape[1] - prompt.shape[1]}
+        a, b, c = ref.generate(prompt, **kwargs), model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs)
+    shared = any(p is q for p, q in zip(twin.parameters(), model.parameters(), strict=True))
+    return {"equal": torch.equal(a, b), "twin_equal": torch.equal(a, c), "twin_shares_params": shared,
+            "twin_guard_owns_twin": twin.hp_rewrite.engine._model is twin, "new_tokens": a.shape[1] - prompt.shape[1]}

@@ -197,6 +197,38 @@ def case_trainer_unprepared(model_dir, out):
     return {"error": ""}
 
 
+def case_trainer_refusals(model_dir, out):
+    """prepare_trainer refuses what it cannot make exact: checkpoints of adapters on the experts
+    (PEFT), FSDP or DeepSpeed; attention-only adapters need nothing from it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from hp_rewrite.runtime import ExpertParallelError
+
+    def refusal(trainer) -> str:
+        try:
+            hp_rewrite.prepare_trainer(trainer)
+        except ExpertParallelError as e:
+            return str(e)
+        return ""
+
+    args = dict(output_dir=str(out / "refusals"), use_cpu=True, ddp_backend="gloo", report_to=[])
+    result = {"plain": refusal(Trainer(model=_reference(model_dir), args=TrainingArguments(**args)))}
+    experts = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
+    result["peft_experts"] = refusal(Trainer(model=experts, args=TrainingArguments(**args, save_strategy="steps")))
+    result["peft_experts_no_save"] = refusal(Trainer(model=experts, args=TrainingArguments(**args, save_strategy="no")))
+    attention = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(r=2, target_modules=["q_proj"]))
+    trainer = Trainer(model=attention, args=TrainingArguments(**args))
+    result["peft_attention"] = refusal(trainer)
+    result["peft_attention_untouched"] = getattr(trainer, "hp_rewrite_callback", None) is None
+    fsdp = Trainer(model=_ep_model(model_dir, out / "art"), args=TrainingArguments(**args))
+    fsdp.is_fsdp_enabled = True  # what Trainer sets for an FSDP plugin (which needs devices to build here)
+    result["fsdp"] = refusal(fsdp)
+    del AutoModelForCausalLM
+    return result
+
+
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")

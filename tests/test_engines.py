@@ -64,9 +64,10 @@ def test_expert_grad_norms_are_global(tmp_path: Path) -> None:
         assert r["clip_total"] == pytest.approx(r["expected_total"], rel=1e-6)
 
 
-def test_greedy_generate_equals_unmodified(tmp_path: Path) -> None:
+def test_greedy_generate_and_deepcopy_equal_unmodified(tmp_path: Path) -> None:
     for r in run_world(2, "tests.engine_cases:generate_parity", {"out_dir": str(tmp_path)}):
         assert r["equal"] and r["new_tokens"] == 8, r
+        assert r["twin_equal"] and not r["twin_shares_params"] and r["twin_guard_owns_twin"], r  # copy.deepcopy
 
 
 def test_what_cannot_be_exact_is_refused(tmp_path: Path) -> None:
@@ -122,7 +123,7 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 
 
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
-                "trainer_unprepared"]
+                "trainer_unprepared", "trainer_refusals"]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +156,14 @@ def test_trainer_checkpoints_reload_and_resume(engine_results: dict) -> None:
 def test_unprepared_trainer_save_is_refused(engine_results: dict) -> None:
     r0 = engine_results["trainer_unprepared"][0]
     assert "prepare_trainer" in r0["error"], r0
+
+
+def test_prepare_trainer_refuses_what_it_cannot_make_exact(engine_results: dict) -> None:
+    for r in engine_results["trainer_refusals"]:
+        assert "not rewritten" in r["plain"], r
+        assert "adapters on the experts" in r["peft_experts"] and "save_strategy='no'" in r["peft_experts"], r
+        assert r["peft_experts_no_save"] == "" and r["peft_attention"] == "" and r["peft_attention_untouched"], r
+        assert "FSDP or DeepSpeed" in r["fsdp"], r
 
 
 @pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate"])

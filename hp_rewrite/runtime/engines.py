@@ -24,6 +24,7 @@ gradient synchronisation on top of DDP.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -47,11 +48,10 @@ class RankLocalNames:
     PEFT wrapping), so adapters added on the experts since the rewrite are listed too."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._model = weakref.ref(model)
+        self._model = model  # a strong reference: a deep copy of the model gets its own copy of this
 
     def __iter__(self):
-        model = self._model()
-        names = rank_local_names(model) if model is not None else []
+        names = rank_local_names(self._model)
         return iter([prefix + n for prefix in WRAPPER_PREFIXES for n in names])
 
 
@@ -86,7 +86,7 @@ class EngineGuard:
         self.under_ddp = False
         self.ddp_sync = False
         self.reductions = 0
-        self._model = weakref.ref(model)
+        self._model = model
         self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
         self._checked = weakref.WeakSet()  # DDP wrappers already validated
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
@@ -96,6 +96,18 @@ class EngineGuard:
             model.register_forward_pre_hook(self._before_forward),
             model.register_forward_hook(self._after_forward),
         ]
+
+    def __deepcopy__(self, memo) -> EngineGuard:
+        """A deep copy of the model (a frozen reference model, an EMA copy) gets a guard of its own,
+        whose hooks the copy's hook dictionaries already point to."""
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin._model = copy.deepcopy(self._model, memo)
+        twin._holders = copy.deepcopy(self._holders, memo)
+        twin._checked, twin._tasks, twin._handles = weakref.WeakSet(), set(), []
+        twin.under_ddp = twin.ddp_sync = twin._reduced = False
+        twin.reductions = 0
+        return twin
 
     def remove(self) -> None:
         for h in self._handles:
@@ -201,7 +213,7 @@ class EngineGuard:
         accumulation that reduces after every micro-batch (DDP without ``no_sync()``, or
         ``sync_gradients`` called each time) gives the same gradients as one reduction at the end;
         without this the earlier micro-batches would end up divided by the EP size once more."""
-        model = self._model()
+        model = self._model
         if not self._reduced or model is None:
             return
         self._reduced = False
@@ -214,7 +226,7 @@ class EngineGuard:
         """End of a backward; when DDP synchronises it, the rank-local gradients are summed over the
         replicas and divided by the world size."""
         self._tasks.discard(task)
-        model = self._model()
+        model = self._model
         if model is None or not sync:
             return
         self.ep.weight_grads.flush()  # runtime.defer_expert_grads: the deferred parts first

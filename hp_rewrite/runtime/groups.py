@@ -38,6 +38,11 @@ class ExpertParallelGroup:
     # one queue for every MoE layer of this group's models
     weight_grads: WeightGradQueue = field(default_factory=WeightGradQueue, compare=False, repr=False)
 
+    def __deepcopy__(self, memo) -> ExpertParallelGroup:
+        """Process groups are shared, not copied: a deep copy of a rewritten model (a frozen reference
+        model, an EMA copy) runs over the same EP group."""
+        return self
+
     @classmethod
     def single(cls) -> ExpertParallelGroup:
         """EP=1 in one process: the same routed code path, no collectives."""

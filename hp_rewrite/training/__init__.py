@@ -28,7 +28,7 @@ def sync_gradients(model: nn.Module) -> None:
 def rewritten_model(model: nn.Module) -> nn.Module | None:
     """The rewritten model itself, inside whatever wraps it (PEFT, DDP, torch.compile)."""
     for m in model.modules():
-        if getattr(m, "hp_rewrite", None) is not None:
+        if vars(m).get("hp_rewrite") is not None:  # not getattr: PEFT models forward attribute lookups
             return m
     return None
 

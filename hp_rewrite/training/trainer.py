@@ -147,7 +147,7 @@ def prepare_trainer(trainer):
     if model is not trainer.model:  # a PEFT model: Trainer saves and resumes only its adapters
         weights = {id(p) for p in expert_parameters(model)}
         local_adapters = [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
-        if local_adapters and trainer.args.save_strategy != "no":
+        if local_adapters and model.hp_rewrite.ep.size > 1 and trainer.args.save_strategy != "no":
             raise ExpertParallelError(
                 "prepare_trainer: the PEFT model trains adapters on the experts, which are rank-local; Trainer "
                 "checkpoints of them are not supported. Train with save_strategy='no', then merge_and_unload() "
