@@ -88,7 +88,7 @@ class EngineGuard:
         self.reductions = 0
         self._model = model
         self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
-        self._checked = weakref.WeakSet()  # DDP wrappers already validated
+        self._checked = weakref.WeakKeyDictionary()  # DDP wrapper -> wraps this model (validated)
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
         self._reduced = False  # the rank-local gradients hold reduced (final) values
         model._ddp_params_and_buffers_to_ignore = RankLocalNames(model)
@@ -104,7 +104,7 @@ class EngineGuard:
         memo[id(self)] = twin
         twin._model = copy.deepcopy(self._model, memo)
         twin._holders = copy.deepcopy(self._holders, memo)
-        twin._checked, twin._tasks, twin._handles = weakref.WeakSet(), set(), []
+        twin._checked, twin._tasks, twin._handles = weakref.WeakKeyDictionary(), set(), []
         twin.under_ddp = twin.ddp_sync = twin._reduced = False
         twin.reductions = 0
         return twin
@@ -120,12 +120,14 @@ class EngineGuard:
     def _before_forward(self, module: nn.Module, args) -> None:
         self._refuse_sharded_experts()
         ddp = _ddp_class()._get_active_ddp_module()
-        if ddp is None or not self._wraps(ddp, module):
+        if ddp is not None and ddp not in self._checked:  # once per DDP: does it wrap this model?
+            wraps = any(m is module for m in ddp.module.modules())
+            if wraps:
+                self._check_ddp(ddp, module)
+            self._checked[ddp] = wraps
+        if ddp is None or not self._checked[ddp]:
             self.under_ddp = False
             return
-        if ddp not in self._checked:
-            self._check_ddp(ddp, module)
-            self._checked.add(ddp)
         if in_interleaved_step():
             raise ExpertParallelError(
                 "hp_rewrite.Interleaver runs several backward passes of one rank at once, which "
@@ -143,10 +145,6 @@ class EngineGuard:
         if tensors:  # the first gradient that reaches an output: this forward's backward starts
             sync = self.under_ddp and self.ddp_sync
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._on_backward(sync), mode="any")
-
-    @staticmethod
-    def _wraps(ddp: nn.Module, module: nn.Module) -> bool:
-        return any(m is module for m in ddp.module.modules())
 
     def _refuse_sharded_experts(self) -> None:
         from torch.distributed.tensor import DTensor
