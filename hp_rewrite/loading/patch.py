@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import Plan, load_plan
 from ..runtime import ExpertParallelError, ExpertParallelGroup, build_expert_parallel_group
@@ -40,6 +41,7 @@ class RewriteInfo:
     patched: list[str]
     load_report: dict | None = None  # set when only local experts were read (loading.local)
     engine: EngineGuard | None = None  # DDP contract and refusals (runtime.engines)
+    fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -52,22 +54,25 @@ def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
     return load_plan(plan)
 
 
-def expert_parallel_group_for(plan: Plan) -> ExpertParallelGroup:
-    """The plan's EP group over the initialised world, or EP=1 in a single process."""
+def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None) -> ExpertParallelGroup:
+    """The plan's EP group over the initialised world (from ``mesh``, whose ``ep`` dimension must
+    equal the plan's ``ep_size``, or from a mesh built for the plan), or EP=1 in a single process."""
     if not (dist.is_available() and dist.is_initialized()):
+        if mesh is not None:
+            raise ExpertParallelError("a device mesh needs torch.distributed initialised (launch with torchrun)")
         return ExpertParallelGroup.single()
-    return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
+    return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, mesh=mesh)
 
 
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
-                  artifact_dir: Path | None = None) -> nn.Module:
+                  artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> nn.Module:
     """Make a loaded model expert-parallel in place (generate on rank 0, install everywhere)."""
     from ..rewrite import ensure_artifact, install
 
     if getattr(model, "hp_rewrite", None) is not None:
         return model
     refuse_wrapped(model)
-    ep = ep or expert_parallel_group_for(plan)
+    ep = ep or expert_parallel_group_for(plan, mesh)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_rank() != 0:
@@ -109,11 +114,12 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     return model
 
 
-def load_local_experts(model_dir, plan: Plan, dtype=None, artifact_dir: Path | None = None) -> nn.Module:
+def load_local_experts(model_dir, plan: Plan, dtype=None, artifact_dir: Path | None = None,
+                       mesh: DeviceMesh | None = None) -> nn.Module:
     """Build on meta and read only this rank's experts from the checkpoint (see loading.local)."""
     from .local import load_expert_parallel
 
-    ep = expert_parallel_group_for(plan)
+    ep = expert_parallel_group_for(plan, mesh)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     model, report = load_expert_parallel(model_dir, plan, ep, out, dtype=dtype or torch.float32)
     return attach(model, RewriteInfo(plan, ep, out, report["patched"], report))
@@ -171,10 +177,10 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
 class AutoPatch:
     """Handle of an installed auto-patch; also a context manager that removes it on exit."""
 
-    def __init__(self, plan: Plan, artifact_dir: Path | None = None) -> None:
+    def __init__(self, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> None:
         from transformers import PreTrainedModel
 
-        self.plan, self.artifact_dir = plan, artifact_dir
+        self.plan, self.artifact_dir, self.mesh = plan, artifact_dir, mesh
         self._owner = PreTrainedModel
         self._original = PreTrainedModel.__dict__["from_pretrained"]
         original_fn = self._original.__func__
@@ -184,10 +190,10 @@ class AutoPatch:
             if _local_checkpoint(args, kwargs) and len(args) == 1:
                 dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 if dtype is None or isinstance(dtype, torch.dtype):
-                    return load_local_experts(args[0], patch.plan, dtype, patch.artifact_dir)
+                    return load_local_experts(args[0], patch.plan, dtype, patch.artifact_dir, patch.mesh)
             # anything else (hub ids, device maps, quantisation...): transformers loads, then we shard
             model = original_fn(cls, *args, **kwargs)
-            return rewrite_model(model, patch.plan, artifact_dir=patch.artifact_dir)
+            return rewrite_model(model, patch.plan, artifact_dir=patch.artifact_dir, mesh=patch.mesh)
 
         from_pretrained.__doc__ = original_fn.__doc__
         from_pretrained.hp_auto_patch = self
@@ -214,17 +220,19 @@ class AutoPatch:
         self.remove()
 
 
-def auto_patch(plan: str | os.PathLike | Plan | None = None, artifact_dir: Path | None = None) -> AutoPatch:
+def auto_patch(plan: str | os.PathLike | Plan | None = None, artifact_dir: Path | None = None,
+               mesh: DeviceMesh | None = None) -> AutoPatch:
     """Install the patch now (global) and return its handle; ``with auto_patch(p):`` scopes it.
 
     With no plan, the path is read from the ``HP_REWRITE_PLAN`` environment variable (at this call,
-    never at import time).
+    never at import time). ``mesh``: the user's device mesh, ``("efsdp", "ep")`` or
+    ``("dp_replicate", "efsdp", "ep")``, whose ``ep`` dimension gives the EP groups.
     """
-    return AutoPatch(resolve_plan(plan), artifact_dir).install()
+    return AutoPatch(resolve_plan(plan), artifact_dir, mesh).install()
 
 
 def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan | None = None,
-                    artifact_dir: Path | None = None, **kwargs) -> nn.Module:
+                    artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, **kwargs) -> nn.Module:
     """Load a checkpoint and return it rewritten (one call, no global patch left behind)."""
     from transformers import AutoConfig
 
@@ -233,8 +241,8 @@ def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan
     plan = resolve_plan(plan)
     if _local_checkpoint((model_dir,), kwargs):  # only this rank's experts are ever read
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        return load_local_experts(model_dir, plan, dtype, artifact_dir)
+        return load_local_experts(model_dir, plan, dtype, artifact_dir, mesh)
     config = AutoConfig.from_pretrained(model_dir)
     kwargs.setdefault("attn_implementation", "eager")
     model = auto_class_for(config).from_pretrained(model_dir, **kwargs)
-    return rewrite_model(model, plan, artifact_dir=artifact_dir)
+    return rewrite_model(model, plan, artifact_dir=artifact_dir, mesh=mesh)

@@ -150,6 +150,13 @@ class EngineGuard:
         from torch.distributed.tensor import DTensor
 
         for holder in self._holders:
+            if getattr(holder, "hp_fsdp_sharded", False):
+                if in_interleaved_step():
+                    raise ExpertParallelError(
+                        "hp_rewrite.Interleaver runs several forward and backward passes of one rank at once, "
+                        "which FSDP2 does not support: use the Interleaver without fully_shard"
+                    )
+                continue  # hp_rewrite.fully_shard: sharded over the expert-replica mesh, as it should be
             for name in holder.hp_layout.weight_names:
                 p = holder._parameters.get(name)
                 # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat

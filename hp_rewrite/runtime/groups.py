@@ -1,6 +1,8 @@
 """Expert-parallel process groups and expert placement.
 
-The world is split into EP groups of ``ep_size`` consecutive ranks. Within an EP group each rank owns
+The groups come from a device mesh whose last dimension is ``ep`` (the user's, or
+``("efsdp", "ep")`` built over the world): the world is split into EP groups of ``ep_size``
+consecutive ranks. Within an EP group each rank owns
 ``num_experts / ep_size`` experts (consecutive ones unless the plan balances them, see
 :class:`ExpertPlacement`). Ranks with the same position in different EP groups hold
 replicas of the same experts: that second dimension is data parallel for the experts (its size is
@@ -14,9 +16,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .deferred import WeightGradQueue
 from .errors import ExpertParallelError
+
+EP_DIM = "ep"  # the mesh dimension of the EP groups: the last one (consecutive ranks)
+EXPERT_DP_DIMS = ("dp_replicate", "efsdp")  # mesh dimensions over which ranks hold the same experts
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class ExpertParallelGroup:
     group: the EP process group (None when ``size == 1``: no communication at all).
     replica_group: ranks holding the same experts (None when there is a single replica); expert
         gradients are averaged over it, non-expert gradients over the whole world.
+    mesh: the device mesh the groups come from (``("efsdp", "ep")`` or ``("dp_replicate", "efsdp",
+        "ep")``); None in a single process.
     """
 
     size: int = 1
@@ -34,6 +42,7 @@ class ExpertParallelGroup:
     replica_size: int = 1
     replica_rank: int = 0
     replica_group: dist.ProcessGroup | None = None
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # expert weight gradients deferred into the backward's exchange waits (runtime.defer_expert_grads),
     # one queue for every MoE layer of this group's models
     weight_grads: WeightGradQueue = field(default_factory=WeightGradQueue, compare=False, repr=False)
@@ -48,54 +57,119 @@ class ExpertParallelGroup:
         """EP=1 in one process: the same routed code path, no collectives."""
         return cls()
 
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, ep_size: int | None = None) -> ExpertParallelGroup:
+        """The EP and expert-replica groups of a device mesh whose last dimension is ``ep``.
+
+        ``ep_size`` (the plan's) must equal that dimension; the EP groups must be consecutive ranks
+        (what ``init_device_mesh`` makes of an ``ep`` dimension that comes last)."""
+        ep_mesh = check_mesh(mesh, ep_size)
+        size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        names = tuple(mesh.mesh_dim_names)
+        dp_dims = names[:-1]
+        replicas = mesh[dp_dims[0]] if len(dp_dims) == 1 else mesh[dp_dims]._flatten("hp_expert_dp")
+        return cls(
+            size=size,
+            rank=rank,
+            group=ep_mesh.get_group() if size > 1 else None,
+            replica_size=replicas.size(),
+            replica_rank=replicas.get_local_rank(),
+            replica_group=replicas.get_group() if replicas.size() > 1 else None,
+            mesh=mesh,
+        )
+
     @property
     def is_distributed(self) -> bool:
         return self.size > 1
 
 
-def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None) -> ExpertParallelGroup:
-    """Create the EP and replica groups over the initialised default world.
+def check_mesh(mesh: DeviceMesh, ep_size: int | None = None) -> DeviceMesh:
+    """Validate a device mesh for expert parallelism and return its ``ep`` dimension: dimensions
+    ``(["dp_replicate",] "efsdp", "ep")``, the whole world, ``ep`` of ``ep_size`` consecutive ranks."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names or names[-1] != EP_DIM or any(n not in EXPERT_DP_DIMS for n in names[:-1]):
+        raise ExpertParallelError(
+            f"device mesh dimensions {names}: expected ('efsdp', 'ep') or ('dp_replicate', 'efsdp', 'ep'), "
+            "with 'ep' last (the EP groups are consecutive ranks)"
+        )
+    if mesh.size() != dist.get_world_size():
+        raise ExpertParallelError(
+            f"the device mesh spans {mesh.size()} ranks, the world {dist.get_world_size()}: one mesh for all ranks"
+        )
+    ep_mesh = mesh[EP_DIM]
+    if ep_size is not None and ep_mesh.size() != ep_size:
+        raise ExpertParallelError(
+            f"ep_size={ep_size} (the plan) but the device mesh's 'ep' dimension has {ep_mesh.size()} ranks: "
+            "make them equal"
+        )
+    first = dist.get_rank() - ep_mesh.get_local_rank()
+    if ep_mesh.mesh.flatten().tolist() != list(range(first, first + ep_mesh.size())):
+        raise ExpertParallelError(
+            f"the device mesh's 'ep' group of rank {dist.get_rank()} is {ep_mesh.mesh.flatten().tolist()}: EP groups "
+            "must be consecutive ranks; build the mesh with 'ep' as its last dimension"
+        )
+    return ep_mesh
 
-    Every rank must call this (``new_group`` is collective). Without ``torch.distributed`` initialised
-    only ``ep_size == 1`` is possible. ``timeout_s`` bounds every collective of the new groups: a rank
-    that stops answering makes the others fail after at most that long instead of hanging.
-    """
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
-    if not (dist.is_available() and dist.is_initialized()):
-        if ep_size != 1:
-            raise ExpertParallelError(
-                f"ep_size={ep_size} needs torch.distributed initialised with a world size that is a "
-                "multiple of it (launch with torchrun --nproc-per-node N), or use ep_size 1"
-            )
-        return ExpertParallelGroup.single()
-    world, rank = dist.get_world_size(), dist.get_rank()
+
+def mesh_device_type() -> str:
+    """The device type of the world's backend: what a device mesh over it is built for."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return "cuda"
+    if "hccl" in backend:
+        return "npu"
+    return "cpu"
+
+
+def _timeout_override(timeout_s: float | None, dims: tuple[str, ...]) -> dict | None:
+    """Backend options giving the mesh's groups ``timeout_s`` (gloo and nccl; others keep the world's)."""
+    if not timeout_s:
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timedelta(seconds=timeout_s)
+    return {d: (backend, options) for d in dims}
+
+
+def expert_parallel_mesh(ep_size: int, timeout_s: float | None = None) -> DeviceMesh:
+    """``("efsdp", "ep")`` over the initialised world: EP groups of ``ep_size`` consecutive ranks, and
+    the ranks holding the same experts along ``efsdp``. ``timeout_s`` bounds every collective of its
+    groups: a rank that stops answering makes the others fail after at most that long."""
+    world = dist.get_world_size()
     if world % ep_size != 0:
         raise ExpertParallelError(
             f"ep_size={ep_size} does not divide the world size {world}: choose an ep_size that divides it "
             f"(e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
-    replicas = world // ep_size
-    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-    ep_group = replica_group = None
-    for r in range(replicas):  # EP groups: consecutive ranks
-        ranks = list(range(r * ep_size, (r + 1) * ep_size))
-        g = dist.new_group(ranks, **kwargs) if ep_size > 1 else None
-        if rank in ranks:
-            ep_group = g
-    for p in range(ep_size):  # replica groups: same position in every EP group
-        ranks = list(range(p, world, ep_size))
-        g = dist.new_group(ranks, **kwargs) if replicas > 1 else None
-        if rank in ranks:
-            replica_group = g
-    return ExpertParallelGroup(
-        size=ep_size,
-        rank=rank % ep_size,
-        group=ep_group,
-        replica_size=replicas,
-        replica_rank=rank // ep_size,
-        replica_group=replica_group,
-    )
+    dims = ("efsdp", EP_DIM)
+    return init_device_mesh(mesh_device_type(), (world // ep_size, ep_size), mesh_dim_names=dims,
+                            backend_override=_timeout_override(timeout_s, dims))
+
+
+def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
+                                mesh: DeviceMesh | None = None) -> ExpertParallelGroup:
+    """The EP and replica groups over the initialised default world, from ``mesh`` (the user's) or
+    from :func:`expert_parallel_mesh`.
+
+    Every rank must call it (building a mesh is collective). Without ``torch.distributed``
+    initialised only ``ep_size == 1`` is possible.
+    """
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
+    if not (dist.is_available() and dist.is_initialized()):
+        if ep_size != 1 or mesh is not None:
+            raise ExpertParallelError(
+                f"ep_size={ep_size} needs torch.distributed initialised with a world size that is a "
+                "multiple of it (launch with torchrun --nproc-per-node N), or use ep_size 1"
+            )
+        return ExpertParallelGroup.single()
+    return ExpertParallelGroup.from_mesh(mesh if mesh is not None else expert_parallel_mesh(ep_size, timeout_s),
+                                         ep_size)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime import gradients
+from ..runtime import ExpertParallelError, gradients
 
 
 def sync_gradients(model: nn.Module) -> None:
     """Apply the EP x DP gradient contract (see :mod:`hp_rewrite.runtime.gradients`) to a model
     rewritten by ``auto_patch`` / ``from_pretrained`` (it knows its EP group). Not on top of DDP."""
     info = info_of(model, "sync_gradients")
+    _refuse_on_fsdp(info, "sync_gradients")
     if info.engine is not None:
         info.engine.refuse_manual_sync("sync_gradients")
     gradients.sync_gradients(rewritten_model(model), info.ep)
@@ -46,7 +47,32 @@ def gradient_sync(model: nn.Module) -> gradients.GradientSync:
     :class:`hp_rewrite.runtime.gradients.GradientSync`): create once, call ``.wait()`` after every
     ``backward()``."""
     info = info_of(model, "gradient_sync")
+    _refuse_on_fsdp(info, "gradient_sync")
     return gradients.GradientSync(rewritten_model(model), info.ep, guard=info.engine)
+
+
+def _refuse_on_fsdp(info, what: str) -> None:
+    if info.fsdp is not None:
+        raise ExpertParallelError(
+            f"{what}: this model is sharded by hp_rewrite.fully_shard, whose FSDP2 reduce-scatters already give "
+            f"every gradient the unmodified model's value after backward(); remove the {what} call"
+        )
+
+
+def fully_shard(model: nn.Module, **kwargs) -> nn.Module:
+    """FSDP2 for a rewritten model: experts over the expert-replica mesh, the rest over data
+    parallel (see :mod:`hp_rewrite.training.fsdp`)."""
+    from .fsdp import fully_shard as shard
+
+    return shard(model, **kwargs)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
+    """``clip_grad_norm_`` whose total norm counts every parameter once, sharded or not (see
+    :func:`hp_rewrite.training.fsdp.clip_grad_norm_`)."""
+    from .fsdp import clip_grad_norm_ as clip
+
+    return clip(parameters, max_norm, norm_type)
 
 
 def prepare_trainer(trainer):

@@ -1,0 +1,133 @@
+"""hp_rewrite.fully_shard (FSDP2: experts over the expert-replica mesh, the rest over data parallel),
+run on every rank of a real gloo world against the unmodified model stepped on the concatenated
+batch of every rank."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import hp_rewrite
+from hp_rewrite.loading.patch import rewrite_model
+from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
+from hp_rewrite.plan import parse_plan
+from tests.engine_cases import _error, _optimizer
+from tests.training_cases import _lm_loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _compare(model, ref, get) -> tuple[float, str]:
+    """Worst relative difference, sharded tensors gathered (every rank calls it: collective)."""
+    ref_params = dict(ref.named_parameters())
+    worst = (0.0, "")
+    for name, p in model.named_parameters():
+        value, target = _full(get(p)).float(), _full(get(ref_params[name])).float()
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        binding = getattr(owner, "hp_expert_parallel", None)
+        if binding is not None and target.shape != value.shape:
+            target = target[binding.placement.local_index]
+        worst = max(worst, (((value - target).abs().max() / target.abs().max().clamp_min(1e-12)).item(), name))
+    return worst
+
+
+def fsdp_training(rank: int, world: int, payload: dict) -> dict:
+    torch.set_num_threads(1)
+    config = tiny_config(payload.get("model_type", "qwen3_moe"))
+    if payload.get("num_experts"):  # e.g. 3 local experts over 2 expert replicas: Shard(1), not a padded dim 0
+        config.num_experts = payload["num_experts"]
+    ref = build_tiny_model(config, seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
+    mesh = None
+    if payload.get("mesh"):  # the user's mesh, e.g. (dp_replicate, efsdp, ep): the EP groups come from it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(payload["mesh"])
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "efsdp", "ep")[-len(shape):])
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]), mesh=mesh)
+    if payload.get("checkpointing"):
+        for m in (ref, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = None
+    if payload.get("bf16"):  # the reference: the unmodified model under plain FSDP2 with the same policy
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in ref.model.layers:
+            torch_fully_shard(layer, mp_policy=mp)
+        torch_fully_shard(ref, mp_policy=mp)
+    hp_rewrite.fully_shard(model, mp_policy=mp)  # over the mesh the EP groups come from
+    out_mesh = model.hp_rewrite.ep.mesh
+    out = {"mesh_is_users": mesh is None or out_mesh is mesh, "replica_size": model.hp_rewrite.ep.replica_size}
+    name, lr, max_norm = payload.get("optimizer", "sgd"), payload.get("lr", 1.0), payload.get("max_norm")
+    opt_ref, opt = _optimizer(name, ref.parameters(), lr), _optimizer(name, model.parameters(), lr)
+    per_rank, seq = 2, 8
+    vocab = ref.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(7)
+    out.update(norms=[], ref_norms=[])
+    for step in range(payload.get("steps", 1)):
+        ids = torch.randint(0, vocab, (world * per_rank, seq), generator=gen)
+        mine = ids[rank * per_rank : (rank + 1) * per_rank]
+        ref_ids = mine if payload.get("bf16") else ids  # plain FSDP2 reference: each rank its own share too
+        _lm_loss(ref(input_ids=ref_ids).logits, ref_ids).backward()
+        _lm_loss(model(input_ids=mine).logits, mine).backward()
+        if step == 0:
+            out["grad_worst"], out["grad_worst_name"] = _compare(model, ref, lambda p: p.grad)
+        if max_norm is not None:
+            clip = hp_rewrite.clip_grad_norm_ if payload.get("bf16") else torch.nn.utils.clip_grad_norm_
+            out["ref_norms"].append(_full(clip(ref.parameters(), max_norm)).item())
+            out["norms"].append(hp_rewrite.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    out["worst"], out["worst_name"] = _compare(model, ref, lambda p: p.detach())
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    out["expert_mesh"] = experts.device_mesh.size()
+    out["expert_local_shape"] = list(experts.to_local().shape)
+    out["expert_placement"] = str(experts.placements[-1])
+    out["dense_mesh"] = model.model.layers[0].self_attn.q_proj.weight.device_mesh.size()
+    return out
+
+
+def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
+    """What does not compose with hp_rewrite.fully_shard ends in a clear error on every rank."""
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    art = Path(payload["out_dir"])
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    deferred = rewrite_model(copy.deepcopy(ref), parse_plan(
+        f"version: 1\nep_size: {world}\nruntime: {{defer_expert_grads: true}}\n"), artifact_dir=art)
+    out["deferred"] = _error(lambda: hp_rewrite.fully_shard(deferred))
+    model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
+    hp_rewrite.fully_shard(model)
+    _lm_loss(model(input_ids=ids).logits, ids).backward()
+    out["sync_gradients"] = _error(lambda: hp_rewrite.sync_gradients(model))
+    out["gradient_sync"] = _error(lambda: hp_rewrite.gradient_sync(model))
+    try:  # torch's own clip refuses gradients on two meshes (its message, not ours)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out["torch_clip"] = ""
+    except RuntimeError as e:
+        out["torch_clip"] = str(e)[:200]
+
+    def step():
+        _lm_loss(model(input_ids=ids).logits, ids).backward()
+
+    with hp_rewrite.Interleaver() as il:
+        out["interleaver"] = _error(lambda: il.run([step, step]))
+    wrong = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # a mesh whose 'ep' dimension is not the plan's ep_size, or not the last one
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("efsdp", "ep"))
+    out["mesh_fsdp"] = _error(lambda: hp_rewrite.fully_shard(wrong, mesh=mesh))
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    out["mesh_rewrite"] = _error(lambda: rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art, mesh=mesh))
+    transposed = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "efsdp"))
+    out["mesh_order"] = _error(lambda: rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art, mesh=transposed))
+    return out
