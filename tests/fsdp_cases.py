@@ -86,6 +86,22 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
         opt_ref.zero_grad()
         opt.zero_grad()
     out["worst"], out["worst_name"] = _compare(model, ref, lambda p: p.detach())
+    if payload.get("save"):  # gathered one layer at a time; plain transformers loads the trained model
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        saved = Path(payload["out_dir"]) / "saved"
+        hp_rewrite.save_pretrained(model, saved)
+        full = {n: _full(p.detach()) for n, p in model.named_parameters()}  # collective: every rank
+        if rank == 0:
+            plain = AutoModelForCausalLM.from_pretrained(saved)
+            target = dict(ref.named_parameters())
+            out["saved_worst"] = max(((q - target[n].detach()).abs().max() / target[n].abs().max()).item()
+                                     for n, q in plain.named_parameters())
+            mine = {n: q for n, q in plain.named_parameters() if n in full and q.shape == full[n].shape}
+            out["saved_equals_dense"] = all(torch.equal(q, full[n]) for n, q in mine.items()
+                                            if "experts" not in n)
+        dist.barrier()
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     out["expert_mesh"] = experts.device_mesh.size()
     out["expert_local_shape"] = list(experts.to_local().shape)

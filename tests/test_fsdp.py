@@ -17,7 +17,9 @@ CASES = {  # id: (world, payload)
     # SGD at lr 1: a gradient off by any factor moves the weights by it; clipped with hp_rewrite.clip_grad_norm_
     "ep2-sgd-lr1-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5}),
     # EP=2 x 2 expert replicas: experts Shard(0) over efsdp=2, divided by the world size
-    "ep2xefsdp2-adamw-clip": (4, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0}),
+    # (then saved, one layer at a time, and loaded by plain transformers)
+    "ep2xefsdp2-adamw-clip": (4, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0,
+                                  "save": True}),
     # 3 local experts over 2 replicas: Shard(1), no padded dim 0
     "ep2xefsdp2-shard1": (4, {"ep_size": 2, "steps": 1, "optimizer": "sgd", "max_norm": 0.5, "num_experts": 6}),
     # the user's ("dp_replicate", "efsdp", "ep") mesh: EP groups from it, HSDP for experts and the rest
@@ -38,6 +40,8 @@ def test_fully_shard_steps_equal_unmodified(case: str, tmp_path: Path) -> None:
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r  # every parameter once
         assert r["dense_mesh"] == world and r["expert_mesh"] == world // payload["ep_size"], r
         assert r["mesh_is_users"], r
+        if payload.get("save") and rank == 0:
+            assert r["saved_worst"] <= TOL and r["saved_equals_dense"], r
         if payload.get("num_experts"):
             assert r["expert_placement"] == "S(1)", r
         elif world > 2 and "mesh" not in payload:
@@ -62,3 +66,24 @@ def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:
         for key in ("mesh_fsdp", "mesh_rewrite"):
             assert "ep_size=2 (the plan)" in r[key], (key, r)
         assert "'ep' last" in r["mesh_order"], r
+
+
+def test_deepseek_v3_dry_run_at_world_256(tmp_path: Path) -> None:
+    """The real DeepSeek-V3 config (61 layers, 256 experts) on the meta device, rewritten and sharded
+    as a few ranks of a fake world of 256 (EP 64 x efsdp 4 and EP 32 x efsdp 8): every shard has the
+    shape FSDP2 cuts and each rank holds 1/256 of the 671 B parameters. tools/fsdp_dry_run.py checks
+    every rank (docs/BENCHMARKS.md)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "dry.json"
+    run = subprocess.run([sys.executable, str(root / "tools" / "fsdp_dry_run.py"), "--world", "256", "--ep", "64", "32",
+                          "--ranks", "0", "63", "255", "--artifacts", str(tmp_path / "art"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    for layout, r in json.loads(out.read_text()).items():
+        assert r["ranks_checked"] == 3 and not r["bad_shapes"], (layout, r)
+        assert 670e9 < r["params"] < 672e9, r
+        assert r["max_bytes"] <= 1.01 * r["ideal_bytes"], (layout, r)  # FSDP2's padding aside, 1/world each

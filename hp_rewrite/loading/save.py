@@ -1,8 +1,8 @@
 """Save an expert-parallel model back as a standard transformers checkpoint.
 
-Experts are gathered to global rank 0 one experts holder at a time, and each holder's full weights
-go to their own safetensors shard before the next holder is gathered, so rank 0 never holds more
-than the non-expert weights plus one layer's experts. The names are the model's in-memory names
+One decoder layer at a time is gathered to global rank 0 (its tensors over FSDP2's mesh when the
+model is sharded, its experts over the EP group) and written to its own safetensors shard before
+the next one, so rank 0 never holds more than one layer in full. The names are the model's in-memory names
 (fused ``gate_up_proj`` / ``down_proj``), which unmodified transformers loads directly; an index
 file maps names to shards. Everything is written into a temporary directory first and moved into
 place (see :func:`_publish`), so an interrupted save leaves no half-written checkpoint, and saving
@@ -72,49 +72,76 @@ def _publish(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """Write ``model`` (expert-parallel or not) as a checkpoint unmodified transformers can load.
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2-sharded) gathered over its mesh (collective), a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    Collective: every rank must call it. Only global rank 0 writes.
+
+def _units(model: nn.Module) -> list[tuple[list[tuple[str, torch.Tensor]], list[tuple[str, nn.Module]]]]:
+    """The state dict cut into what is gathered and written together: one unit per decoder layer
+    (its own tensors and its experts holders), then everything outside the layers. Tied tensors
+    appear once. The same order on every rank: gathering is collective."""
+    holders = _holders(model)
+    expert_names = {f"{path}.{w}" for path, m in holders for w in m.hp_layout.weight_names}
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [n for n, m in model.named_modules() if n and type(m).__name__ in layer_classes]
+    layers = [n for n in layers if not any(n.startswith(f"{o}.") for o in layers)]  # outermost only
+    units: dict[str, tuple[list, list]] = {n: ([], []) for n in [*layers, ""]}
+
+    def unit_of(name: str) -> str:
+        return next((n for n in layers if name.startswith(f"{n}.")), "")
+
+    seen = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in expert_names or id(t) in seen:
+            continue  # experts come per holder; tied weights are written once
+        seen.add(id(t))
+        units[unit_of(name)][0].append((name, t))
+    for path, holder in holders:
+        units[unit_of(f"{path}.")][1].append((path, holder))
+    return [u for u in units.values() if u[0] or u[1]]
+
+
+def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
+    """Write ``model`` (expert-parallel or not, FSDP2-sharded or not) as a checkpoint unmodified
+    transformers can load.
+
+    Collective: every rank must call it. One decoder layer at a time is gathered (its tensors over
+    FSDP2's mesh, its experts over the EP group) and written by global rank 0 into its own shard,
+    so rank 0 never holds more than one layer in full.
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     out = Path(out_dir)
-    holders = _holders(model)
-    expert_names = {f"{path}.{w}" for path, m in holders for w in m.hp_layout.weight_names}
+    units = _units(model)
     tmp = None
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        n_shards = 1 + len(holders)
         weight_map: dict[str, str] = {}
         total = 0
-
-        def shard_name(i: int) -> str:
-            return f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-
-        if rank == 0:
-            seen, tensors = set(), {}
-            for name, t in model.state_dict().items():
-                if name in expert_names or t.data_ptr() in seen:
-                    continue  # experts come per holder below; tied weights are written once
-                seen.add(t.data_ptr())
-                tensors[name] = t.detach().contiguous().clone()
-            save_file(tensors, tmp / shard_name(0), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, shard_name(0)))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            del tensors
-        for i, (path, holder) in enumerate(holders, start=1):
-            binding = holder.hp_expert_parallel
-            if binding.ep.replica_rank != 0:
-                continue  # the first replica's EP group holds every expert once
-            full = {f"{path}.{w}": _gather_full(getattr(holder, w), binding) for w in holder.hp_layout.weight_names}
+        for i, (tensors, holders) in enumerate(units):
+            shard = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
+            written = {}
+            for name, t in tensors:
+                value = _full(t.detach())
+                if rank == 0:
+                    written[name] = value.contiguous().clone()
+            for path, holder in holders:
+                binding = holder.hp_expert_parallel
+                for w in holder.hp_layout.weight_names:
+                    local = _full(getattr(holder, w).detach())  # this EP rank's experts, whole
+                    if binding.ep.replica_rank != 0:
+                        continue  # the first replica's EP group holds every expert once
+                    full = _gather_full(local, binding)
+                    if rank == 0:
+                        written[f"{path}.{w}"] = full
             if rank == 0:
-                save_file(full, tmp / shard_name(i), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(full, shard_name(i)))
-                total += sum(t.numel() * t.element_size() for t in full.values())
-            del full
+                save_file(written, tmp / shard, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(written, shard))
+                total += sum(t.numel() * t.element_size() for t in written.values())
+            del written
         if rank == 0:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
