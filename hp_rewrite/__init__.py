@@ -20,6 +20,8 @@ _LAZY = {
     "prepare_trainer": "hp_rewrite.training",
     "fully_shard": "hp_rewrite.training",
     "clip_grad_norm_": "hp_rewrite.training",
+    "save_checkpoint": "hp_rewrite.training",
+    "load_checkpoint": "hp_rewrite.training",
     "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
     "interleave": "hp_rewrite.runtime.turns",

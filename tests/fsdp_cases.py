@@ -147,3 +147,51 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
     transposed = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "efsdp"))
     out["mesh_order"] = _error(lambda: rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art, mesh=transposed))
     return out
+
+
+def dcp_resume(rank: int, world: int, payload: dict) -> dict:
+    """torch.distributed.checkpoint through hp_rewrite.checkpoint: two AdamW steps uninterrupted, against
+    one step, a save, a load into a fresh model and optimizer (same EP size, or another; sharded or
+    not) and the second step."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    art = Path(payload["out_dir"]) / "art"
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, ref.config.vocab_size, (2 * world, 8), generator=gen) for _ in range(2)]
+
+    def build(ep: int, shard: bool):
+        model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {ep}\n"), artifact_dir=art)
+        if shard:
+            hp_rewrite.fully_shard(model)
+        wrapped = model if shard else torch.nn.parallel.DistributedDataParallel(model)
+        return model, wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+
+    def step(wrapped, optimizer, ids):
+        mine = ids[2 * rank : 2 * rank + 2]
+        _lm_loss(wrapped(input_ids=mine).logits, mine).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, wrapped, optimizer = build(payload["ep_save"], payload["shard_save"])
+    step(wrapped, optimizer, batches[0])
+    hp_rewrite.save_checkpoint(model, optimizer, Path(payload["out_dir"]) / "dcp")
+    step(wrapped, optimizer, batches[1])
+    resumed, wrapped2, optimizer2 = build(payload["ep_load"], payload["shard_load"])
+    hp_rewrite.load_checkpoint(resumed, optimizer2, Path(payload["out_dir"]) / "dcp")
+    step(wrapped2, optimizer2, batches[1])
+    # compare the full weights: every expert, gathered through a save in standard format
+    hp_rewrite.save_pretrained(model, Path(payload["out_dir"]) / "a")
+    hp_rewrite.save_pretrained(resumed, Path(payload["out_dir"]) / "b")
+    out = {}
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        a = AutoModelForCausalLM.from_pretrained(Path(payload["out_dir"]) / "a").state_dict()
+        b = AutoModelForCausalLM.from_pretrained(Path(payload["out_dir"]) / "b").state_dict()
+        start = ref.state_dict()
+        out["worst"] = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
+        out["moved"] = min((a[k] - start[k]).abs().max().item() for k in a if "norm" not in k)
+    dist.barrier()
+    return out

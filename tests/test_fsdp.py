@@ -87,3 +87,36 @@ def test_deepseek_v3_dry_run_at_world_256(tmp_path: Path) -> None:
         assert r["ranks_checked"] == 3 and not r["bad_shapes"], (layout, r)
         assert 670e9 < r["params"] < 672e9, r
         assert r["max_bytes"] <= 1.01 * r["ideal_bytes"], (layout, r)  # FSDP2's padding aside, 1/world each
+
+
+def test_training_memory_per_rank_is_one_world_share() -> None:
+    """tools/measure_train_memory.py at a small size: with fully_shard each rank holds
+    (non-expert + expert parameters) / world x 16 bytes of weights, gradients and AdamW state
+    (within 10%); replicated, every rank holds every non-expert weight."""
+    payload = {"ep": 2, "hidden": 128, "layers": 2, "experts": 8, "moe_intermediate": 64, "vocab": 4096, "seq": 16,
+               "batch": 2, "artifacts": "/tmp/hp-rewrite-train-memory-test"}
+    for r in run_world(4, "tools.measure_train_memory:worker", payload):
+        sharded, replicated = r["fully_shard"], r["replicated"]
+        assert abs(sharded["total"] / r["target_fully_shard"] - 1) <= 0.10, r
+        assert abs(replicated["total"] / r["target_replicated"] - 1) <= 0.10, r
+        assert sharded["total"] < replicated["total"] / 2, r
+
+
+DCP_CASES = {  # id: (ep and sharding when saved, when loaded), 4 ranks
+    "ep2-sharded-to-ep2-sharded": (2, True, 2, True),
+    "ep2-sharded-to-ep4-sharded": (2, True, 4, True),
+    "ep2-ddp-to-ep4-sharded": (2, False, 4, True),
+}
+
+
+@pytest.mark.parametrize("case", list(DCP_CASES))
+def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: str, tmp_path: Path) -> None:
+    """Save model + AdamW after one step, load into a fresh model and optimizer, take the second
+    step: the weights equal the uninterrupted run's (bit for bit at the same EP size; at another the
+    gradients are summed in another order)."""
+    ep_save, shard_save, ep_load, shard_load = DCP_CASES[case]
+    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "ep_load": ep_load,
+               "shard_load": shard_load}
+    r = run_world(4, "tests.fsdp_cases:dcp_resume", payload)[0]
+    assert r["moved"] > 1e-3, r  # the steps changed every weight: the comparison means something
+    assert r["worst"] <= (0.0 if ep_save == ep_load else TOL), r

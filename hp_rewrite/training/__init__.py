@@ -75,6 +75,21 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
     return clip(parameters, max_norm, norm_type)
 
 
+def save_checkpoint(model: nn.Module, optimizer, checkpoint_dir) -> None:
+    """torch.distributed.checkpoint of model and optimizer, resumable at another EP size (see
+    :mod:`hp_rewrite.training.checkpoint`). Collective."""
+    from .checkpoint import save
+
+    save(model, optimizer, checkpoint_dir)
+
+
+def load_checkpoint(model: nn.Module, optimizer, checkpoint_dir) -> None:
+    """Load what :func:`save_checkpoint` wrote, at this model's EP size and sharding. Collective."""
+    from .checkpoint import load
+
+    load(model, optimizer, checkpoint_dir)
+
+
 def prepare_trainer(trainer):
     """Make a transformers ``Trainer`` (or a subclass: TRL's ``SFTTrainer``...) save, checkpoint and
     resume an expert-parallel model exactly (see :mod:`hp_rewrite.training.trainer`)."""

@@ -1,0 +1,137 @@
+"""``torch.distributed.checkpoint`` (DCP) of an expert-parallel model and its optimizer: resumable at
+the same EP size, or at another (EP 2 -> EP 4), because the experts are saved as one global tensor.
+
+Each rank holds ``E / ep`` experts (FSDP2 may shard those again over the expert replicas). Saved as
+they are, every EP rank would write a different tensor under the same name. So in the state dict
+handed to DCP an expert weight (and each of its optimizer moments) is a DTensor of the *global*
+shape ``[E, ...]`` over an ``("ep", "efsdp")`` view of the mesh: ``ep`` splits dim 0 into the ranks'
+experts and ``efsdp`` the dimension FSDP2 shards (or replicates, without FSDP2). The view aliases
+the rank's own storage, so DCP writes from and reads into the live tensors; loading into a model of
+another EP size asks DCP for other slices of the same global tensors. Non-expert weights are what
+they are: FSDP2 DTensors, or plain replicated tensors (DCP writes one copy).
+
+Expert order must be the checkpoint's order: a balanced placement (``placement: balanced``) is
+refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..runtime import ExpertParallelError
+from ..runtime.gradients import expert_parameters, rank_local_parameters
+from . import info_of, rewritten_model
+
+
+def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Name of every expert weight -> its holder; refuses what a global view cannot express."""
+    names = {}
+    for path, holder in model.named_modules():
+        binding = getattr(holder, "hp_expert_parallel", None)
+        if binding is None:
+            continue
+        if not binding.placement.is_contiguous:
+            raise ExpertParallelError(
+                f"checkpoint: {path} uses a balanced expert placement; a distributed checkpoint stores experts in "
+                "expert order. Use placement: contiguous to save and resume with DCP"
+            )
+        for w in holder.hp_layout.weight_names:
+            names[f"{path}.{w}" if path else w] = holder
+    weights = {id(p) for p in expert_parameters(model)}
+    if any(id(p) not in weights for p in rank_local_parameters(model)):
+        raise ExpertParallelError(
+            "checkpoint: adapters on the experts (PEFT) are not saved by hp_rewrite's checkpoint; merge them "
+            "(merge_and_unload()) first"
+        )
+    return names
+
+
+def _view_mesh(model: nn.Module) -> DeviceMesh | None:
+    """``("ep", "efsdp")``: the model's mesh with the EP dimension first (experts split first by EP rank,
+    then by FSDP2 within it); no process groups are created for it."""
+    ep = info_of(model, "checkpoint").ep
+    if ep.mesh is None:
+        return None
+    ranks = ep.mesh.mesh.reshape(-1, ep.size)  # (expert replicas, ep), 'ep' the last mesh dimension
+    return DeviceMesh(ep.mesh.device_type, ranks.transpose(0, 1).contiguous(), mesh_dim_names=("ep", "efsdp"),
+                      _init_backend=False)
+
+
+def _global_view(t: torch.Tensor, num_experts: int, mesh: DeviceMesh | None) -> torch.Tensor:
+    """This rank's experts (a plain tensor, or FSDP2's DTensor over the expert replicas) as its part
+    of the global ``[num_experts, ...]`` tensor; shares the rank's storage."""
+    if mesh is None:  # one process: the local tensor is the global one
+        return t
+    if isinstance(t, DTensor):
+        local, inner = t.to_local(), t.placements[-1]
+        shape = (num_experts, *t.shape[1:])
+    else:
+        local, inner = t, Replicate()
+        shape = (num_experts, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, (Shard(0), inner), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _views(model: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
+    inner = rewritten_model(model)
+    experts = _experts_by_name(inner)
+    mesh = _view_mesh(inner)
+    model_sd = get_model_state_dict(inner)
+    for name, holder in experts.items():
+        model_sd[name] = _global_view(model_sd[name], holder.hp_expert_parallel.num_experts, mesh)
+    if optimizer is None:
+        return model_sd, None
+    optim_sd = get_optimizer_state_dict(inner, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
+    for name, state in list(optim_sd["state"].items()):
+        holder = experts.get(name)
+        if holder is None:
+            continue
+        n = holder.hp_expert_parallel.num_experts
+        # a new dict: the optimizer's own per-parameter state dict must keep its tensors
+        optim_sd["state"][name] = {k: _global_view(v, n, mesh) if torch.is_tensor(v) and v.dim() else v
+                                   for k, v in state.items()}
+    return model_sd, optim_sd
+
+
+def save(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None:
+    """Save model (and optimizer, if given) with DCP. Collective: every rank calls it."""
+    model_sd, optim_sd = _views(model, optimizer)
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    dcp.save(state, checkpoint_id=str(checkpoint_dir))
+
+
+def load(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None:
+    """Load what :func:`save` wrote into ``model`` (and ``optimizer``), at any EP size and world
+    whose experts divide as the plan says. Collective."""
+    inner = rewritten_model(model)
+    model_sd, optim_sd = _views(model, optimizer)
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    # the optimizer's live state, before the views (DCP writes through them into the same storage)
+    live = None if optimizer is None else get_optimizer_state_dict(
+        inner, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    with torch.no_grad():  # expert views and DTensors were written in place; plain replicated weights too
+        for name, value in get_model_state_dict(inner).items():
+            loaded = state["model"][name]
+            if not isinstance(value, DTensor) and loaded is not value and not isinstance(loaded, DTensor):
+                value.copy_(loaded)
+    if optimizer is not None:
+        for name, entry in live["state"].items():
+            for key, value in entry.items():
+                loaded = state["optim"]["state"][name][key]
+                if torch.is_tensor(value) and not value.dim():
+                    value.copy_(loaded if torch.is_tensor(loaded) else torch.tensor(loaded))
+        live["param_groups"] = state["optim"]["param_groups"]
+        set_optimizer_state_dict(inner, optimizer, live, options=StateDictOptions(flatten_optimizer_state_dict=False))
