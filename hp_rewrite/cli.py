@@ -81,6 +81,7 @@ def _cost(args: argparse.Namespace) -> int:
             args.reserve_gb,
             args.calibrate,
             args.out,
+            args.non_expert,
         ),
     )
 
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="memory per rank kept for everything outside the MoE layers",
+    )
+    co.add_argument(
+        "--non-expert",
+        choices=["replicate", "fully_shard"],
+        help="with --suggest: cost every weight's states and the data-parallel collectives, non-expert weights "
+        "replicated (DDP) or sharded with the experts over their replicas (hp_rewrite.fully_shard)",
     )
     co.add_argument(
         "--calibrate",

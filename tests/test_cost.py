@@ -460,6 +460,51 @@ def test_suggest_comm_bound_small_ep_wins() -> None:
     assert cands[2].bound == "comm" and cands[0].time.total < cands[1].time.total < cands[2].time.total
 
 
+def test_data_parallel_states_and_traffic_by_hand() -> None:
+    """Replicated: every non-expert weight and this EP rank's experts on each rank, all-reduced;
+    fully_shard: everything / world, all-gathered twice and reduce-scattered once."""
+    from hp_rewrite.cost.sharding import data_parallel_cost
+
+    spec = replace(SYN, total_params=SYN.total_params + 10_000_000)  # 10 M outside the MoE layers
+    cost = estimate(spec, Parallel(ep=2), WORK)
+    hw = _hw(1e12, alpha_s=0.0, beta_Bps=1e9, devices_per_node=8)
+    prec = cost.precision
+    experts_local = 4 * 4 * 3 * 1024 * 512  # 4 layers, 4 of 8 experts, 3 projections
+    other = spec.other_params + sum(lay.router_params for lay in spec.layers)  # routers are replicated too
+    rep = data_parallel_cost(cost, 8, "replicate", hw)
+    assert rep.state_bytes == pytest.approx((experts_local + other) * prec.state_bytes)
+    assert rep.comm_bytes == pytest.approx(2 * prec.grad * (experts_local * 3 / 4 + other * 7 / 8))
+    fs = data_parallel_cost(cost, 8, "fully_shard", hw)
+    assert fs.state_bytes == pytest.approx((experts_local / 4 + other / 8) * prec.state_bytes)
+    assert fs.state_bytes == pytest.approx((4 * 8 * 3 * 1024 * 512 + other) / 8 * prec.state_bytes)  # total / world
+    assert fs.comm_bytes == pytest.approx((2 * prec.param + prec.grad) * (experts_local * 3 / 4 + other * 7 / 8))
+    assert fs.comm_s == pytest.approx(fs.comm_bytes / 1e9)
+    with pytest.raises(ValueError, match="multiple of ep"):
+        data_parallel_cost(cost, 3, "fully_shard", hw)
+
+
+def test_suggest_with_sharded_non_expert_weights_fits_where_replicas_do_not() -> None:
+    spec = replace(SYN, total_params=SYN.total_params + 100_000_000)
+    hw = _hw(1.0, **FAST_NET)
+    fits = suggest(spec, 8, WORK, hw, non_expert="fully_shard")
+    hw = replace(hw, memory_bytes=max(c.memory_bytes for c in fits) * 1.01)
+    assert all(c.feasible for c in suggest(spec, 8, WORK, hw, non_expert="fully_shard"))
+    assert not any(c.feasible for c in suggest(spec, 8, WORK, hw, non_expert="replicate"))
+    assert all(c.data_parallel.mode == "fully_shard" for c in fits)
+
+
+def test_cli_non_expert_needs_suggest(tmp_path, capsys) -> None:
+    model = make_tiny("qwen3_moe", tmp_path / "m")
+    plan = Path(__file__).parent.parent / "plans" / "auto-ep2.yaml"
+    assert main(["cost", str(plan), str(model), "--seq-len", "8", "--micro-batch", "1", "--non-expert",
+                 "fully_shard"]) != 0
+    assert "--suggest" in capsys.readouterr().out
+    assert main(["cost", str(plan), str(model), "--seq-len", "8", "--micro-batch", "1", "--world-size", "4",
+                 "--suggest", "--non-expert", "fully_shard", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["non_expert"] for c in doc["suggest"]} == {"fully_shard"} and doc["suggest"][0]["dp_comm_bytes"] > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # hardware presets and calibration
 

@@ -36,6 +36,7 @@ class CostArgs:
     reserve_gb: float = 0.0
     calibrate: bool = False
     out: Path | None = None
+    non_expert: str | None = None  # replicate | fully_shard: cost the whole model's data parallelism
 
 
 def _hardware(args: CostArgs):
@@ -109,10 +110,12 @@ def cost(args: CostArgs) -> int:
     st = step_time(result, hw)
     reserve = args.reserve_gb * 1e9
     cands = []
+    if args.non_expert is not None and not args.suggest:
+        raise UserError("--non-expert replicate|fully_shard goes with --suggest --world-size W")
     if args.suggest:
         if not args.world_size:
             raise UserError("--suggest needs --world-size W (the ranks to split into EP x DP)")
-        cands = suggest(spec, args.world_size, work, hw, par, prec, knobs, hist, reserve)
+        cands = suggest(spec, args.world_size, work, hw, par, prec, knobs, hist, reserve, args.non_expert)
         if not cands:
             raise UserError(f"no ep divides both the world size {args.world_size} and the experts")
     if args.json:
@@ -146,6 +149,13 @@ def cost(args: CostArgs) -> int:
                     "memory_bytes": c.memory_bytes,
                     "max_imbalance": c.cost.max_imbalance,
                     "bound": c.bound,
+                    **({} if c.data_parallel is None else {
+                        "non_expert": c.data_parallel.mode,
+                        "state_bytes": c.data_parallel.state_bytes,
+                        "dp_comm_bytes": c.data_parallel.comm_bytes,
+                        "dp_comm_s": c.data_parallel.comm_s,
+                        "dp_exposed_s": c.dp_exposed_s,
+                    }),
                 }
                 for c in cands
             ],

@@ -4,7 +4,9 @@ Feasible: ``ep`` divides the world size and every costed layer's number of exper
 is costed on its busiest rank (skew-aware when histograms are given: a skewed histogram loads the
 rank owning the hot experts more as ``ep`` grows), timed with :mod:`timing`, and its memory per
 rank (expert states shrink with ``ep``; replicated MoE states and activations do not) checked
-against the device capacity minus ``reserve_bytes`` (what the rest of the model needs).
+against the device capacity minus ``reserve_bytes`` (what the rest of the model needs). With
+``non_expert`` the whole model's states are counted, replicated or sharded (:mod:`.sharding`), and
+the data-parallel collectives' exposed time is added.
 Feasible candidates come first, fastest first; infeasible ones follow with the reason.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, replace
 from .hardware import Hardware
 from .per_rank import Knobs, ModelCost, Parallel, Precision, Workload, estimate
 from .routing import Histograms
+from .sharding import DataParallelCost, data_parallel_cost
 from .spec import ModelSpec
 from .timing import StepTime, step_time
 
@@ -28,11 +31,21 @@ class Candidate:
     capacity_bytes: float
     feasible: bool
     reason: str = ""
+    data_parallel: DataParallelCost | None = None  # whole-model states and DP traffic (--non-expert)
+
+    @property
+    def dp_exposed_s(self) -> float:
+        """Data-parallel collectives beyond the compute they run beside (see :mod:`.sharding`)."""
+        return 0.0 if self.data_parallel is None else max(self.data_parallel.comm_s - self.time.compute, 0.0)
+
+    @property
+    def step_s(self) -> float:
+        return self.time.total + self.dp_exposed_s
 
     @property
     def bound(self) -> str:
-        """What dominates the step: ``compute`` or ``comm`` (exposed all-to-all time)."""
-        return "comm" if self.time.exposed_comm > self.time.compute else "compute"
+        """What dominates the step: ``compute`` or ``comm`` (exposed all-to-all and DP time)."""
+        return "comm" if self.time.exposed_comm + self.dp_exposed_s > self.time.compute else "compute"
 
 
 def feasible_eps(spec: ModelSpec, world_size: int) -> list[int]:
@@ -50,8 +63,13 @@ def suggest(
     knobs: Knobs | None = None,
     histograms: Histograms | None = None,
     reserve_bytes: float = 0.0,
+    non_expert: str | None = None,
 ) -> list[Candidate]:
-    """Every EP degree that fits ``world_size`` and the experts, best first."""
+    """Every EP degree that fits ``world_size`` and the experts, best first.
+
+    ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole model's states and its
+    data-parallel collectives (:mod:`.sharding`); None costs the MoE layers' states only, as before.
+    """
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1")
     base = base or Parallel()
@@ -59,8 +77,9 @@ def suggest(
     out = []
     for ep in feasible_eps(spec, world_size):
         cost = estimate(spec, replace(base, ep=ep), work, prec, knobs, histograms)
-        mem = cost.memory
+        dp = None if non_expert is None else data_parallel_cost(cost, world_size, non_expert, hw, prec)
+        mem = cost.memory if dp is None else sum(c.memory.activations for c in cost.layers) + dp.state_bytes
         fits = mem <= capacity
         why = "" if fits else f"needs {mem / 1e9:.1f} GB/rank > {capacity / 1e9:.1f} GB"
-        out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why))
-    return sorted(out, key=lambda c: (not c.feasible, c.time.total if c.feasible else c.memory_bytes, c.ep))
+        out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why, dp))
+    return sorted(out, key=lambda c: (not c.feasible, c.step_s if c.feasible else c.memory_bytes, c.ep))

@@ -157,9 +157,16 @@ def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Tabl
         "bound",
     ):
         table.add_column(col, justify="right")
+    dp_mode = next((c.data_parallel.mode for c in cands if c.data_parallel is not None), None)
+    if dp_mode is not None:
+        table.title = (f"EP degrees for world size {world_size} on {hw.name}, non-expert weights {dp_mode} (fwd+bwd "
+                       "of the MoE layers, busiest rank, per micro-batch; memory: every weight's states + MoE "
+                       "activations)")
+        table.add_column("DP GB/step", justify="right")
+        table.add_column("DP ms (exposed)", justify="right")
     for i, c in enumerate(cands, 1):
         local = {lay.local_experts for lay in c.cost.layers}
-        table.add_row(
+        row = [
             str(i),
             str(c.ep),
             "/".join(str(x) for x in sorted(local)),
@@ -168,12 +175,15 @@ def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Tabl
             _ms(c.time.compute),
             _ms(c.time.comm),
             _ms(c.time.exposed_comm),
-            _ms(c.time.total),
+            _ms(c.step_s),
             _gb(c.memory_bytes),
             "yes" if c.feasible else f"no: {c.reason}",
             c.bound,
-            style="bold" if i == 1 and c.feasible else None,
-        )
+        ]
+        if dp_mode is not None:
+            dp = c.data_parallel
+            row += [_gb(dp.comm_bytes), f"{_ms(dp.comm_s)} ({_ms(c.dp_exposed_s)})"]
+        table.add_row(*row, style="bold" if i == 1 and c.feasible else None)
     return table
 
 
