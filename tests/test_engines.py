@@ -166,8 +166,8 @@ def test_prepare_trainer_refuses_what_it_cannot_make_exact(engine_results: dict)
         assert "FSDP or DeepSpeed" in r["fsdp"], r
 
 
-@pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate"])
-def test_train_ep_example_runs_every_engine(engine: str, tiny_dir: Path) -> None:
+@pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate", "fsdp2"])
+def test_train_ep_example_runs_every_engine(engine: str, tiny_dir: Path, tmp_path: Path) -> None:
     run = _torchrun(ROOT / "tools" / "train_ep.py", str(tiny_dir), "--plan", str(ROOT / "plans" / "auto-ep2.yaml"),
-                    "--steps", "2", "--engine", engine)
+                    "--steps", "2", "--engine", engine, "--output-dir", str(tmp_path))
     assert "step 1: loss" in run.stdout, run.stdout[-2000:]

@@ -8,6 +8,8 @@ with (example; CPU + gloo here, the same code on GPUs with nccl):
 --engine ddp         the same loop around torch's DistributedDataParallel
 --engine trainer     transformers Trainer (prepare_trainer: collective saves, resumable checkpoints)
 --engine accelerate  Accelerator.prepare + accumulate + clip_grad_norm_
+--engine fsdp2       hp_rewrite.fully_shard (experts over their replicas, the rest over the world),
+                     hp_rewrite.clip_grad_norm_, a torch.distributed.checkpoint at the end
 """
 
 import argparse
@@ -44,6 +46,19 @@ def loop(model, args) -> None:
         optimizer.step()
         optimizer.zero_grad()
         report(step, loss)
+
+
+def fsdp2(model, args) -> None:
+    hp_rewrite.fully_shard(model)  # over the mesh the EP groups came from: ("efsdp", "ep")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, ids in enumerate(batches(model.config.vocab_size, args.steps, dist.get_rank())):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()  # FSDP2 reduce-scatters: every gradient final here
+        hp_rewrite.clip_grad_norm_(model.parameters(), 1.0)  # torch's own refuses two meshes
+        optimizer.step()
+        optimizer.zero_grad()
+        report(step, loss)
+    hp_rewrite.save_checkpoint(model, optimizer, f"{args.output_dir}/dcp")  # resumable at another EP size
 
 
 def accelerate(model, args) -> None:
@@ -86,14 +101,14 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--plan", default="plans/auto-ep2.yaml")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--engine", choices=["loop", "ddp", "trainer", "accelerate"], default="loop")
-    parser.add_argument("--output-dir", default="/tmp/hp-rewrite-train-ep", help="trainer checkpoints")
+    parser.add_argument("--engine", choices=["loop", "ddp", "trainer", "accelerate", "fsdp2"], default="loop")
+    parser.add_argument("--output-dir", default="/tmp/hp-rewrite-train-ep", help="trainer and fsdp2 checkpoints")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     with hp_rewrite.auto_patch(args.plan):  # from_pretrained returns the expert-parallel model
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="eager")
     model.train()
-    {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate}[args.engine](model, args)
+    {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate, "fsdp2": fsdp2}[args.engine](model, args)
     dist.destroy_process_group()
 
 

@@ -163,23 +163,18 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return False
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (grouped_mm's backward rejects expanded grads)."""
-
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def _grouped_mm(x: torch.Tensor, w_in_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # traceable for every dtype (see grouped_op)
         return grouped_op.grouped_mm(x, w_in_out, offsets)
     mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    return _ContiguousGrad.apply(mm(x, w_in_out, offs=offsets))
+    out = mm(x, w_in_out, offs=offsets)
+    if out.requires_grad:  # grouped_mm's backward rejects expanded gradients (a hook, not a view of out:
+        out.register_hook(_contiguous)  # FSDP2 warns when a module returns a view)
+    return out
 
 
 def _project(
