@@ -136,6 +136,12 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
 
     with hp_rewrite.Interleaver() as il:
         out["interleaver"] = _error(lambda: il.run([step, step]))
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"),
+                                           artifact_dir=art), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                         target_parameters=["mlp.experts.down_proj"]))
+    out["peft_experts"] = _error(lambda: hp_rewrite.fully_shard(adapted))
     wrong = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -66,6 +66,7 @@ def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:
         for key in ("mesh_fsdp", "mesh_rewrite"):
             assert "ep_size=2 (the plan)" in r[key], (key, r)
         assert "'ep' last" in r["mesh_order"], r
+        assert "PEFT adapters" in r["peft_experts"], r
 
 
 def test_deepseek_v3_dry_run_at_world_256(tmp_path: Path) -> None:

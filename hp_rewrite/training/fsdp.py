@@ -88,6 +88,11 @@ def fully_shard(
             "fully_shard: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
             "runtime.defer_expert_grads: false in the plan to train with FSDP2"
         )
+    if any(getattr(m, "hp_expert_parallel", None) is None for _, m in rank_local_modules(inner)):
+        raise ExpertParallelError(
+            "fully_shard: the experts carry PEFT adapters; sharding them with FSDP2 is not supported. Train "
+            "adapters on the experts with DDP (docs/training.md, PEFT), or merge them first (merge_and_unload())"
+        )
     mesh = mesh if mesh is not None else ep.mesh  # the mesh the model's EP groups come from
     check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
     views = _views(mesh)
@@ -96,7 +101,7 @@ def fully_shard(
     world = dist.get_world_size()
     sum_only = dist.get_backend() != "nccl"  # gloo and hccl have no PREMUL_SUM: SUM, then scale
     shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
-    for _, module in rank_local_modules(inner):  # each experts holder, with the adapters that wrap it
+    for _, module in rank_local_modules(inner):  # each experts holder
         torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
         module.set_gradient_divide_factor(float(world))
         # (only where a reduce-scatter runs: without one, torch 2.13 would then divide twice)
