@@ -19,6 +19,7 @@ _LAZY = {
     "gradient_sync": "hp_rewrite.training",
     "prepare_trainer": "hp_rewrite.training",
     "fully_shard": "hp_rewrite.training",
+    "load_fully_sharded": "hp_rewrite.training",
     "clip_grad_norm_": "hp_rewrite.training",
     "save_checkpoint": "hp_rewrite.training",
     "load_checkpoint": "hp_rewrite.training",

@@ -201,3 +201,48 @@ def dcp_resume(rank: int, world: int, payload: dict) -> dict:
         out["moved"] = min((a[k] - start[k]).abs().max().item() for k in a if "norm" not in k)
     dist.barrier()
     return out
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def model_ep(plan):
+    from hp_rewrite.loading.patch import expert_parallel_group_for
+
+    return expert_parallel_group_for(plan)
+
+
+def sharded_load(rank: int, world: int, payload: dict) -> dict:
+    """hp_rewrite.load_fully_sharded: every shard equals the checkpoint's slice, and the peak RSS of
+    the load over the RSS before it, against this rank's final bytes (its shards and buffers)."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    art = Path(payload["out_dir"]) / "art"
+    from hp_rewrite.loading import local
+
+    # one-time costs out of the measurement: imports and first uses (a load of a tiny checkpoint), and
+    # the artifact of this model (its analysis probes a block on rank 0), then freed memory given back
+    warm = hp_rewrite.load_fully_sharded(payload["warmup_dir"], plan, artifact_dir=art)
+    del warm
+    local.prepare(payload["model_dir"], plan, model_ep(plan), art)
+    local._release_freed_memory()
+    Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status_kib("VmRSS") * 1024
+    model = hp_rewrite.load_fully_sharded(payload["model_dir"], plan, artifact_dir=art, chunk_bytes=2**20)
+    peak = _status_kib("VmHWM") * 1024
+    final = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+                for t in list(model.parameters()) + list(model.buffers()))
+    ref = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager").eval()
+    worst = _compare(model, ref, lambda p: p.detach())[0]
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        logits = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    return {"peak": peak - baseline, "final": final, "worst": worst, "logits": logits,
+            "read": model.hp_rewrite.load_report["bytes_read"]}

@@ -175,6 +175,35 @@ def rank_main(rank: int, world: int, payload: dict) -> dict:
     }
 
 
+def sharded_rank(rank: int, world: int, payload: dict) -> dict:
+    """``hp_rewrite.load_fully_sharded``: FSDP2 shards read straight from the files; the bound is this
+    rank's final bytes (its shards and buffers)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import hp_rewrite
+    from hp_rewrite.loading import local
+    from hp_rewrite.loading.patch import expert_parallel_group_for
+    from hp_rewrite.plan import parse_plan
+
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep']}\n")
+    warm = hp_rewrite.load_fully_sharded(payload["warmup_dir"], plan, artifact_dir=payload["artifact_dir"])
+    del warm
+    local.prepare(payload["model_dir"], plan, expert_parallel_group_for(plan), payload["artifact_dir"])  # artifact
+    local._release_freed_memory()
+    _reset_peak()
+    baseline = _status_kib("VmRSS") * 1024
+    t0 = time.perf_counter()
+    model = hp_rewrite.load_fully_sharded(payload["model_dir"], plan, artifact_dir=payload["artifact_dir"])
+    wall = time.perf_counter() - t0
+    peak = _status_kib("VmHWM") * 1024
+    final = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+                for t in list(model.parameters()) + list(model.buffers()))
+    return {"baseline": baseline, "peak": peak, "final_bytes": final, "wall_s": wall,
+            "bytes_read": model.hp_rewrite.load_report["bytes_read"]}
+
+
 def full_rank(rank: int, world: int, payload: dict) -> dict:
     """For contrast: today's path, ``from_pretrained`` of the whole checkpoint, then shard in memory."""
     import torch
@@ -227,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure from_pretrained of the whole checkpoint + in-memory sharding (one process)",
     )
+    p.add_argument(
+        "--fully-shard",
+        action="store_true",
+        help="measure hp_rewrite.load_fully_sharded (FSDP2 shards read straight from the files) instead",
+    )
     args = p.parse_args(argv)
 
     import shutil
@@ -255,6 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         "ep": args.ep,
         "artifact_dir": str(args.out / "artifacts"),
     }
+    if args.fully_shard:
+        ranks = run_world(args.nproc or args.ep, f"{Path(__file__).stem}:sharded_rank", payload, timeout=1800)
+        for rank, r in enumerate(ranks):
+            used = r["peak"] - r["baseline"]
+            print(f"rank {rank}: load peak - baseline {used / 2**20:.1f} MiB, final shards {r['final_bytes'] / 2**20:.1f} "
+                  f"MiB, ratio {used / r['final_bytes']:.3f} (bound {SLACK}); read {r['bytes_read'] / 2**20:.1f} MiB "
+                  f"of {(expert_bytes + other_bytes) / 2**20:.1f} MiB; {r['wall_s']:.1f} s")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"mode": "fully_shard", "ranks": ranks}, indent=2))
+        return 0 if all(r["peak"] - r["baseline"] <= SLACK * r["final_bytes"] for r in ranks) else 1
     ranks = run_world(args.nproc or args.ep, f"{Path(__file__).stem}:rank_main", payload, timeout=1800)
 
     mib = 2**20

@@ -615,6 +615,68 @@ def load_expert_parallel(
     model, and :class:`ExpertParallelError` when a conversion cannot be applied to a slice of the
     experts (EP > 1 only).
     """
+    loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes)
+    model, filler = loading.model, loading.filler
+    t0 = time.perf_counter()
+    slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+    for name, module, attr, is_param, _ in _tensor_slots(model):
+        slots.setdefault(name, []).append((module, attr, is_param))
+    new_for: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised replacement (keeps ties)
+    for unit in loading.ordered_units():
+        for name, value in filler.fill(unit).items():
+            for module, attr, is_param in slots[name]:
+                old = getattr(module, attr)
+                new = _set(module, attr, old, value, is_param)
+                new._is_hf_initialized = True  # transformers' init functions skip flagged tensors
+                new_for[id(old)] = new
+    with quiet_transformers():
+        _finish(model, new_for, loading.allowed_missing)
+    model.eval()
+    model._weight_conversions = [t for t in loading.transforms if t.was_used()]
+    loading.timings["load_s"] = time.perf_counter() - t0
+    return model, loading.report()
+
+
+@dataclass
+class PreparedLoad:
+    """A model built on the meta device with the plan installed (local expert shapes, no storage), and
+    what maps the checkpoint onto it: the state between :func:`prepare` and filling the tensors."""
+
+    model: nn.Module
+    reader: _Reader
+    filler: _Filler
+    units: dict[str, _Unit]
+    allowed_missing: set[str]
+    transforms: list
+    experts: dict[str, _ExpertSlice]
+    patched: list[str]
+    ep: ExpertParallelGroup
+    timings: dict[str, float]
+    started: float
+
+    def ordered_units(self) -> list[_Unit]:
+        return sorted(self.units.values(), key=lambda u: _natural(u.targets[0]))
+
+    def report(self) -> dict:
+        expert_bytes, other_bytes = _bytes(self.model, self.experts)
+        return {
+            "expert_bytes": expert_bytes,
+            "non_expert_bytes": other_bytes,
+            "bytes_read": self.reader.bytes_read,
+            "files_read": sorted(self.reader.files_read),
+            "paths": self.filler.paths,
+            "seconds": time.perf_counter() - self.started,
+            "timings": self.timings,
+            "patched": self.patched,
+            "ep_size": self.ep.size,
+            "ep_rank": self.ep.rank,
+        }
+
+
+def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype = torch.float32,
+            chunk_bytes: int = CHUNK_BYTES) -> PreparedLoad:
+    """Build on meta, find or write the artifact (rank 0 first), install the plan, map the checkpoint's
+    keys: everything :func:`load_expert_parallel` does before it reads a tensor."""
     import torch.distributed as dist
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -649,43 +711,12 @@ def load_expert_parallel(
     patched = rewrite.install(model, artifact, plan, ep, shard=True)  # on meta: local shapes, no storage
     experts = _expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
     transforms = get_model_conversion_mapping(model)
     units, unexpected = _map_keys(model, reader, transforms)
     allowed_missing = _check_keys(model, units, unexpected, model_dir)
     filler = _Filler(model, reader, experts, _dtype_rule(model, dtype))
-    slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
-    for name, module, attr, is_param, _ in _tensor_slots(model):
-        slots.setdefault(name, []).append((module, attr, is_param))
-    new_for: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised replacement (keeps ties)
-    for unit in sorted(units.values(), key=lambda u: _natural(u.targets[0])):
-        for name, value in filler.fill(unit).items():
-            for module, attr, is_param in slots[name]:
-                old = getattr(module, attr)
-                new = _set(module, attr, old, value, is_param)
-                new._is_hf_initialized = True  # transformers' init functions skip flagged tensors
-                new_for[id(old)] = new
-    with quiet_transformers():
-        _finish(model, new_for, allowed_missing)
-    model.eval()
-    model._weight_conversions = [t for t in transforms if t.was_used()]
-    timings["load_s"] = time.perf_counter() - t0
-
-    expert_bytes, other_bytes = _bytes(model, experts)
-    report = {
-        "expert_bytes": expert_bytes,
-        "non_expert_bytes": other_bytes,
-        "bytes_read": reader.bytes_read,
-        "files_read": sorted(reader.files_read),
-        "paths": filler.paths,
-        "seconds": time.perf_counter() - t_start,
-        "timings": timings,
-        "patched": patched,
-        "ep_size": ep.size,
-        "ep_rank": ep.rank,
-    }
-    return model, report
+    return PreparedLoad(model, reader, filler, units, allowed_missing, transforms, experts, patched, ep,
+                        timings, t_start)
 
 
 def _finish(model: nn.Module, new_for: dict[int, torch.Tensor], allowed_missing: set[str]) -> None:

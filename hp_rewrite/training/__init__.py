@@ -67,6 +67,14 @@ def fully_shard(model: nn.Module, **kwargs) -> nn.Module:
     return shard(model, **kwargs)
 
 
+def load_fully_sharded(model_dir, plan=None, **kwargs) -> nn.Module:
+    """A checkpoint read straight into :func:`fully_shard`'s shards: each rank reads only what it keeps
+    (see :mod:`hp_rewrite.training.sharded_load`)."""
+    from .sharded_load import load_fully_sharded as load
+
+    return load(model_dir, plan, **kwargs)
+
+
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0):
     """``clip_grad_norm_`` whose total norm counts every parameter once, sharded or not (see
     :func:`hp_rewrite.training.fsdp.clip_grad_norm_`)."""
