@@ -150,6 +150,15 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
     out["mesh_fsdp"] = _error(lambda: hp_rewrite.fully_shard(wrong, mesh=mesh))
     plan = parse_plan(f"version: 1\nep_size: {world}\n")
     out["mesh_rewrite"] = _error(lambda: rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art, mesh=mesh))
+    # the user's mesh through the loading entry points: the EP groups are its 'ep' dimension
+    users = init_device_mesh("cpu", (1, world), mesh_dim_names=("efsdp", "ep"))
+    loaded = hp_rewrite.from_pretrained(payload["model_dir"], plan, artifact_dir=art, mesh=users)
+    with hp_rewrite.auto_patch(plan, artifact_dir=art, mesh=users):
+        from transformers import AutoModelForCausalLM
+
+        patched = AutoModelForCausalLM.from_pretrained(payload["model_dir"])
+    out["mesh_from_pretrained"] = loaded.hp_rewrite.ep.mesh is users and loaded.hp_rewrite.ep.size == world
+    out["mesh_auto_patch"] = patched.hp_rewrite.ep.mesh is users
     transposed = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "efsdp"))
     out["mesh_order"] = _error(lambda: rewrite_model(copy.deepcopy(ref), plan, artifact_dir=art, mesh=transposed))
     return out

@@ -57,7 +57,11 @@ def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> No
 
 
 def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:
-    for r in run_world(2, "tests.fsdp_cases:fsdp_refusals", {"out_dir": str(tmp_path)}):
+    from hp_rewrite.loading.tiny import make_tiny
+
+    payload = {"out_dir": str(tmp_path), "model_dir": str(make_tiny("qwen3_moe", tmp_path / "m"))}
+    for r in run_world(2, "tests.fsdp_cases:fsdp_refusals", payload):
+        assert r["mesh_from_pretrained"] and r["mesh_auto_patch"], r  # the user's mesh, through loading
         assert "defer_expert_grads: false" in r["deferred"], r
         assert "remove the sync_gradients call" in r["sync_gradients"], r
         assert "remove the gradient_sync call" in r["gradient_sync"], r
