@@ -4,7 +4,10 @@
 rewritten models; ``hp_rewrite.sync_gradients(model)`` applies the EP x DP gradient contract after
 backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP);
 ``hp_rewrite.Interleaver`` (``hp_rewrite.interleave(steps)`` for one call) runs micro-batches that
-compute while another one's all-to-all is in flight. The routed runtime that generated code calls
+compute while another one's all-to-all is in flight. Inside DDP, Trainer (``prepare_trainer``),
+accelerate, torch.compile and PEFT a rewritten model is exact as it is (docs/training.md);
+``fully_shard`` / ``load_fully_sharded`` shard it with FSDP2, ``clip_grad_norm_`` clips it,
+``save_checkpoint`` / ``load_checkpoint`` resume it. The routed runtime that generated code calls
 lives in :mod:`hp_rewrite.runtime`.
 """
 
