@@ -177,7 +177,13 @@ def dcp_resume(rank: int, world: int, payload: dict) -> dict:
     batches = [torch.randint(0, ref.config.vocab_size, (2 * world, 8), generator=gen) for _ in range(2)]
 
     def build(ep: int, shard: bool):
-        model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {ep}\n"), artifact_dir=art)
+        mesh = None
+        if payload.get("hsdp_load") and ep == payload["ep_load"]:  # (dp_replicate, efsdp, ep)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, world // 2 // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {ep}\n"), artifact_dir=art,
+                              mesh=mesh)
         if shard:
             hp_rewrite.fully_shard(model)
         wrapped = model if shard else torch.nn.parallel.DistributedDataParallel(model)

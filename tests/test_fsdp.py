@@ -111,6 +111,7 @@ DCP_CASES = {  # id: (ep and sharding when saved, when loaded), 4 ranks
     "ep2-sharded-to-ep2-sharded": (2, True, 2, True),
     "ep2-sharded-to-ep4-sharded": (2, True, 4, True),
     "ep2-ddp-to-ep4-sharded": (2, False, 4, True),
+    "ep4-sharded-to-ep2-hsdp": (4, True, 2, True),  # loaded over (dp_replicate 2, efsdp 1, ep 2)
 }
 
 
@@ -121,7 +122,7 @@ def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: st
     gradients are summed in another order)."""
     ep_save, shard_save, ep_load, shard_load = DCP_CASES[case]
     payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "ep_load": ep_load,
-               "shard_load": shard_load}
+               "shard_load": shard_load, "hsdp_load": "hsdp" in case}
     r = run_world(4, "tests.fsdp_cases:dcp_resume", payload)[0]
     assert r["moved"] > 1e-3, r  # the steps changed every weight: the comparison means something
     assert r["worst"] <= (0.0 if ep_save == ep_load else TOL), r

@@ -59,29 +59,30 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _view_mesh(model: nn.Module) -> DeviceMesh | None:
-    """``("ep", "efsdp")``: the model's mesh with the EP dimension first (experts split first by EP rank,
-    then by FSDP2 within it); no process groups are created for it."""
+    """The model's mesh with its ``ep`` dimension moved first (``("ep", "efsdp")``, or ``("ep",
+    "dp_replicate", "efsdp")``): experts split first by EP rank, then as FSDP2 cut them within it. No
+    process groups are created for it."""
     ep = info_of(model, "checkpoint").ep
     if ep.mesh is None:
         return None
-    ranks = ep.mesh.mesh.reshape(-1, ep.size)  # (expert replicas, ep), 'ep' the last mesh dimension
-    return DeviceMesh(ep.mesh.device_type, ranks.transpose(0, 1).contiguous(), mesh_dim_names=("ep", "efsdp"),
-                      _init_backend=False)
+    names = tuple(ep.mesh.mesh_dim_names)
+    ranks = ep.mesh.mesh.permute(len(names) - 1, *range(len(names) - 1)).contiguous()
+    return DeviceMesh(ep.mesh.device_type, ranks, mesh_dim_names=(names[-1], *names[:-1]), _init_backend=False)
 
 
 def _global_view(t: torch.Tensor, num_experts: int, mesh: DeviceMesh | None) -> torch.Tensor:
-    """This rank's experts (a plain tensor, or FSDP2's DTensor over the expert replicas) as its part
-    of the global ``[num_experts, ...]`` tensor; shares the rank's storage."""
+    """This rank's experts (a plain tensor, or FSDP2's DTensor over the expert-replica dimensions) as
+    its part of the global ``[num_experts, ...]`` tensor; shares the rank's storage."""
     if mesh is None:  # one process: the local tensor is the global one
         return t
-    if isinstance(t, DTensor):
-        local, inner = t.to_local(), t.placements[-1]
-        shape = (num_experts, *t.shape[1:])
+    if isinstance(t, DTensor):  # its placements follow the expert-replica dimensions, in mesh order
+        local, inner = t.to_local(), tuple(t.placements)
     else:
-        local, inner = t, Replicate()
-        shape = (num_experts, *t.shape[1:])
+        local, inner = t, (Replicate(),) * (mesh.ndim - 1)
+    shape = (num_experts, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, (Shard(0), inner), run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(local, mesh, (Shard(0), *inner), run_check=False, shape=torch.Size(shape),
+                              stride=stride)
 
 
 def _views(model: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
