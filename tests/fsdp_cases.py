@@ -165,22 +165,22 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
 
 
 def dcp_resume(rank: int, world: int, payload: dict) -> dict:
-    """torch.distributed.checkpoint through hp_rewrite.checkpoint: two AdamW steps uninterrupted, against
-    one step, a save, a load into a fresh model and optimizer (same EP size, or another; sharded or
-    not) and the second step."""
+    """torch.distributed.checkpoint through hp_rewrite.save_checkpoint / load_checkpoint: two AdamW
+    steps uninterrupted, against one step, a save, then for each of ``loads`` (EP size, sharded, mesh)
+    a load into a fresh model and optimizer and the second step."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
-    art = Path(payload["out_dir"]) / "art"
+    out_dir = Path(payload["out_dir"])
+    art = out_dir / "art"
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, ref.config.vocab_size, (2 * world, 8), generator=gen) for _ in range(2)]
 
-    def build(ep: int, shard: bool):
+    def build(ep: int, shard: bool, hsdp: bool = False):
         mesh = None
-        if payload.get("hsdp_load") and ep == payload["ep_load"]:  # (dp_replicate, efsdp, ep)
-            from torch.distributed.device_mesh import init_device_mesh
-
+        if hsdp:  # the user's (dp_replicate, efsdp, ep) mesh
             mesh = init_device_mesh("cpu", (2, world // 2 // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
         model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {ep}\n"), artifact_dir=art,
                               mesh=mesh)
@@ -197,24 +197,24 @@ def dcp_resume(rank: int, world: int, payload: dict) -> dict:
 
     model, wrapped, optimizer = build(payload["ep_save"], payload["shard_save"])
     step(wrapped, optimizer, batches[0])
-    hp_rewrite.save_checkpoint(model, optimizer, Path(payload["out_dir"]) / "dcp")
+    hp_rewrite.save_checkpoint(model, optimizer, out_dir / "dcp")
     step(wrapped, optimizer, batches[1])
-    resumed, wrapped2, optimizer2 = build(payload["ep_load"], payload["shard_load"])
-    hp_rewrite.load_checkpoint(resumed, optimizer2, Path(payload["out_dir"]) / "dcp")
-    step(wrapped2, optimizer2, batches[1])
-    # compare the full weights: every expert, gathered through a save in standard format
-    hp_rewrite.save_pretrained(model, Path(payload["out_dir"]) / "a")
-    hp_rewrite.save_pretrained(resumed, Path(payload["out_dir"]) / "b")
-    out = {}
-    if rank == 0:
-        from transformers import AutoModelForCausalLM
+    hp_rewrite.save_pretrained(model, out_dir / "uninterrupted")  # every expert, in standard format
+    out = {"worst": [], "moved": None}
+    for i, (ep, shard, hsdp) in enumerate(payload["loads"]):
+        resumed, wrapped2, optimizer2 = build(ep, shard, hsdp)
+        hp_rewrite.load_checkpoint(resumed, optimizer2, out_dir / "dcp")
+        step(wrapped2, optimizer2, batches[1])
+        hp_rewrite.save_pretrained(resumed, out_dir / f"resumed{i}")
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
 
-        a = AutoModelForCausalLM.from_pretrained(Path(payload["out_dir"]) / "a").state_dict()
-        b = AutoModelForCausalLM.from_pretrained(Path(payload["out_dir"]) / "b").state_dict()
-        start = ref.state_dict()
-        out["worst"] = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
-        out["moved"] = min((a[k] - start[k]).abs().max().item() for k in a if "norm" not in k)
-    dist.barrier()
+            a = AutoModelForCausalLM.from_pretrained(out_dir / "uninterrupted").state_dict()
+            b = AutoModelForCausalLM.from_pretrained(out_dir / f"resumed{i}").state_dict()
+            start = ref.state_dict()
+            out["worst"].append(max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a))
+            out["moved"] = min((a[k] - start[k]).abs().max().item() for k in a if "norm" not in k)
+        dist.barrier()
     return out
 
 

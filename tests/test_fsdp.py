@@ -85,11 +85,11 @@ def test_deepseek_v3_dry_run_at_world_256(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "dry.json"
     run = subprocess.run([sys.executable, str(root / "tools" / "fsdp_dry_run.py"), "--world", "256", "--ep", "64", "32",
-                          "--ranks", "0", "63", "255", "--artifacts", str(tmp_path / "art"), "--json", str(out)],
+                          "--ranks", "0", "255", "--artifacts", str(tmp_path / "art"), "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     for layout, r in json.loads(out.read_text()).items():
-        assert r["ranks_checked"] == 3 and not r["bad_shapes"], (layout, r)
+        assert r["ranks_checked"] == 2 and not r["bad_shapes"], (layout, r)
         assert 670e9 < r["params"] < 672e9, r
         assert r["max_bytes"] <= 1.01 * r["ideal_bytes"], (layout, r)  # FSDP2's padding aside, 1/world each
 
@@ -107,11 +107,10 @@ def test_training_memory_per_rank_is_one_world_share() -> None:
         assert sharded["total"] < replicated["total"] / 2, r
 
 
-DCP_CASES = {  # id: (ep and sharding when saved, when loaded), 4 ranks
-    "ep2-sharded-to-ep2-sharded": (2, True, 2, True),
-    "ep2-sharded-to-ep4-sharded": (2, True, 4, True),
-    "ep2-ddp-to-ep4-sharded": (2, False, 4, True),
-    "ep4-sharded-to-ep2-hsdp": (4, True, 2, True),  # loaded over (dp_replicate 2, efsdp 1, ep 2)
+DCP_CASES = {  # id: (ep, sharded) when saved; loads: (ep, sharded, over a (dp_replicate, efsdp, ep) mesh)
+    "saved-ep2-sharded": ((2, True), [(2, True, False), (4, True, False)]),
+    "saved-ep4-sharded": ((4, True), [(2, True, True)]),
+    "saved-ep2-ddp": ((2, False), [(4, True, False)]),
 }
 
 
@@ -120,12 +119,12 @@ def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: st
     """Save model + AdamW after one step, load into a fresh model and optimizer, take the second
     step: the weights equal the uninterrupted run's (bit for bit at the same EP size; at another the
     gradients are summed in another order)."""
-    ep_save, shard_save, ep_load, shard_load = DCP_CASES[case]
-    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "ep_load": ep_load,
-               "shard_load": shard_load, "hsdp_load": "hsdp" in case}
+    (ep_save, shard_save), loads = DCP_CASES[case]
+    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "loads": loads}
     r = run_world(4, "tests.fsdp_cases:dcp_resume", payload)[0]
     assert r["moved"] > 1e-3, r  # the steps changed every weight: the comparison means something
-    assert r["worst"] <= (0.0 if ep_save == ep_load else TOL), r
+    for (ep, _, _), worst in zip(loads, r["worst"], strict=True):
+        assert worst <= (0.0 if ep == ep_save else TOL), (ep, r)
 
 
 def test_fully_sharded_load_reads_only_each_ranks_share(tmp_path: Path) -> None:
