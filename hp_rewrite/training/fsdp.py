@@ -52,12 +52,12 @@ def _views(mesh: DeviceMesh) -> ShardedMeshes:
     return ShardedMeshes(mesh, experts, dense)
 
 
-def _expert_placement(replicas: int):
-    """Shard(0) when the local experts split evenly over the expert-replica ranks; else Shard(1),
-    which avoids padding dim 0 (torchtitan and VeOmni do the same)."""
+def _expert_placement(shard_size: int):
+    """Shard(0) when the local experts split evenly over the ``shard_size`` ranks that shard them;
+    else Shard(1), which avoids padding dim 0 (torchtitan and VeOmni do the same)."""
 
     def placement(p: nn.Parameter) -> Shard:
-        return Shard(0) if p.shape[0] % replicas == 0 or p.dim() < 2 else Shard(1)
+        return Shard(0) if p.shape[0] % shard_size == 0 or p.dim() < 2 else Shard(1)
 
     return placement
 
