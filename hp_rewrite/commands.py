@@ -105,10 +105,23 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
     config = load_config(model_dir)
     model = meta_model(config)
     out_dir = Path(out or plan.output.dir or "hp-rewrite-out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file: give a directory (it is created if missing)")
     if nproc is not None and (nproc < 1 or nproc % plan.ep_size):
         raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}: "
                         "the world is split into EP groups of ep_size ranks")
     analysis = analyze(model, plan)
+    if not (analysis.matched or analysis.unmatched or analysis.excluded):
+        raise UserError(
+            f"{model_dir}: no MoE block in this {config.model_type} model, nothing to rewrite "
+            f"(`hp-rewrite describe-moe {model_dir}` shows what hp-rewrite looks for)"
+        )
+    if not (analysis.matched or analysis.unmatched):
+        shown = ", ".join(analysis.excluded[:3]) + (", ..." if len(analysis.excluded) > 3 else "")
+        raise UserError(
+            f"modules.include {plan.modules.include} / exclude {plan.modules.exclude} select none of the "
+            f"{len(analysis.excluded)} MoE blocks ({shown}): match their paths or class names"
+        )
     modules, unmatched = module_rows(analysis, plan)
     bad = [m for m in modules if m["local_experts"] is None]
     if bad:

@@ -70,3 +70,31 @@ def test_ep_size_that_does_not_divide_the_experts(tiny_dir: Path, tmp_path: Path
 def test_inspect_without_artifact(tmp_path: Path, capsys) -> None:
     assert main(["inspect", str(tmp_path)]) == 2
     assert "run hp-rewrite apply first" in capsys.readouterr().out
+
+
+def test_dense_model_is_a_clean_error(tmp_path: Path, capsys) -> None:
+    """A model without MoE blocks: a message, exit 2, nothing written (it wrote an empty artifact)."""
+    dense = make_tiny("qwen3", tmp_path / "dense")
+    out = tmp_path / "gen"
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(dense), "--out", str(out)]) == 2
+    msg = capsys.readouterr().out
+    assert "no MoE block" in msg and "describe-moe" in msg and "Traceback" not in msg
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "a-file"
+    out.write_text("keep me")
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(out)]) == 2
+    msg = capsys.readouterr().out
+    assert "is a file" in msg and "Traceback" not in msg and out.read_text() == "keep me"
+
+
+def test_include_glob_that_selects_no_block_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    plan = tmp_path / "none.yaml"
+    plan.write_text("version: 1\nep_size: 2\nmodules:\n  include: ['model.layers.99.*']\n")
+    out = tmp_path / "gen"
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(out)]) == 2
+    msg = capsys.readouterr().out
+    assert "select none" in msg and "model.layers.0.mlp" in msg and "Traceback" not in msg
+    assert not out.exists()
