@@ -46,27 +46,16 @@ def forward(self, hidden_states):
         )
     else:
         routing = hp.call_router_module(self.ROUTER, hidden)
-    ep = hp.binding_of(self.EXPERTS)  # through a PEFT wrapper too
-    state = hp.dispatch(
-        hidden,
-        routing.indices,
-        routing.weights,
-        num_experts=ep.num_experts,
-        ep=ep.ep,
-        options=ep.options,
-        placement=ep.placement,
-    )
+    state = hp.dispatch(hidden, routing.indices, routing.weights, binding=hp.binding_of(self.EXPERTS))
     if SHARED_MODE != "none":
         shared = self.SHARED(hidden)  # computed while the dispatch all-to-all is in flight
-    routed = hp.experts_and_combine(state, self.EXPERTS)
-    if SHARED_MODE == "none":
-        out = routed
-    elif SHARED_MODE == "gated":
-        out = hp.merge_shared(routed, shared, "gated", gate_logits=self.SHARED_GATE(hidden))
+    out = hp.experts_and_combine(state, self.EXPERTS)
+    if SHARED_MODE == "gated":
+        out = hp.merge_shared(out, shared, "gated", gate_logits=self.SHARED_GATE(hidden))
     elif SHARED_MODE == "scaled":
-        out = hp.merge_shared(routed, shared, "scaled", scale=ROUTED_SCALE)
-    else:
-        out = hp.merge_shared(routed, shared, "additive")
+        out = hp.merge_shared(out, shared, "scaled", scale=ROUTED_SCALE)
+    elif SHARED_MODE == "additive":
+        out = hp.merge_shared(out, shared, "additive")
     if RETURNS_ROUTER_WEIGHTS:
         return out.reshape(shape), routing.weights
     else:

@@ -12,14 +12,5 @@ from hp_rewrite import runtime as hp
 def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
     if isinstance(hidden_states, hp.LocalBatch):  # called by a block-level forward: local experts only
         return hp.local_experts_forward(self, hidden_states, self.hp_layout)
-    ep = self.hp_expert_parallel
-    state = hp.dispatch(
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        num_experts=ep.num_experts,
-        ep=ep.ep,
-        options=ep.options,
-        placement=ep.placement,
-    )
+    state = hp.dispatch(hidden_states, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
     return hp.experts_and_combine(state, self, via_call=False)

@@ -120,15 +120,22 @@ def dispatch(
     indices: torch.Tensor,
     weights: torch.Tensor,
     *,
-    num_experts: int,
-    ep: ExpertParallelGroup,
-    options: RuntimeOptions,
+    num_experts: int | None = None,
+    ep: ExpertParallelGroup | None = None,
+    options: RuntimeOptions | None = None,
     placement: ExpertPlacement | None = None,
+    binding=None,
 ) -> RoutedDispatch:
     """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids).
 
-    ``placement`` (default: consecutive experts per rank) must be the one the experts were sharded with.
+    ``binding``: an installed holder's :class:`~.install.ExpertParallelBinding` (``binding_of``),
+    which gives the other four (what generated code passes). ``placement`` (default: consecutive
+    experts per rank) must be the one the experts were sharded with.
     """
+    if binding is not None:
+        num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
+    if num_experts is None or ep is None or options is None:
+        raise TypeError("dispatch needs binding=, or num_experts=, ep= and options=")
     placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
     if (placement.num_experts, placement.ep_size) != (num_experts, ep.size):
         raise ValueError(

@@ -41,19 +41,11 @@ class ExpertParallelBinding:
         return self.placement.num_experts
 
 
+
 def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None) -> torch.Tensor:
     if isinstance(hidden, LocalBatch):
         return local_experts_forward(self, hidden, self.hp_layout)
-    binding: ExpertParallelBinding = self.hp_expert_parallel
-    state = dispatch(
-        hidden,
-        top_k_index,
-        top_k_weights,
-        num_experts=binding.num_experts,
-        ep=binding.ep,
-        options=binding.options,
-        placement=binding.placement,
-    )
+    state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
     return experts_and_combine(state, self, via_call=False)
 
 
