@@ -95,21 +95,37 @@ def module_rows(analysis, plan) -> tuple[list[dict], list[dict]]:
 
 def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None, verify: bool,
           report: Path | None, timeout: float | None) -> int:
-    from .launch import WorldError, run_world
+    from .codegen.artifacts import find_current
     from .plan import load_plan
-    from .rewrite import analyze, write
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     plan = load_plan(plan_path)
     config = load_config(model_dir)
-    model = meta_model(config)
     out_dir = Path(out or plan.output.dir or "hp-rewrite-out")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file: give a directory (it is created if missing)")
     if nproc is not None and (nproc < 1 or nproc % plan.ep_size):
         raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}: "
                         "the world is split into EP groups of ep_size ranks")
+    cached = find_current(out_dir, plan.hash(), config) if out_dir.is_dir() else None
+    summary = cached.summary if cached is not None else None
+    if summary is not None:  # current for these inputs: no model built, no probe run
+        artifact, modules, unmatched = cached, summary["modules"], summary["unmatched"]
+        timings["generate_s"] = time.perf_counter() - t0
+        _print_modules(modules, unmatched, summary["excluded"], artifact, cached=True)
+    else:
+        artifact, modules, unmatched = _generate(plan, config, out_dir, model_dir)
+        timings["generate_s"] = time.perf_counter() - t0
+    return _run_generated(plan, model_dir, out_dir, artifact, modules, unmatched, nproc, verify, report, timeout,
+                          timings)
+
+
+def _generate(plan, config, out_dir: Path, model_dir: Path):
+    """Analyse the model built on the meta device and write (or reuse) the artifact."""
+    from .rewrite import analyze, write
+
+    model = meta_model(config)
     analysis = analyze(model, plan)
     if not (analysis.matched or analysis.unmatched or analysis.excluded):
         raise UserError(
@@ -128,8 +144,15 @@ def apply(plan_path: Path, model_dir: Path, out: Path | None, nproc: int | None,
         raise UserError(f"ep_size {plan.ep_size} does not divide the {bad[0]['num_experts']} experts of "
                         f"{bad[0]['path']}: choose an ep_size that divides it")
     artifact = write(analysis, plan, config, out_dir)
-    timings["generate_s"] = time.perf_counter() - t0
+    artifact.record_summary({"modules": modules, "unmatched": unmatched, "excluded": analysis.excluded})
     _print_modules(modules, unmatched, analysis.excluded, artifact)
+    return artifact, modules, unmatched
+
+
+def _run_generated(plan, model_dir: Path, out_dir: Path, artifact, modules, unmatched, nproc, verify, report,
+                   timeout, timings) -> int:
+    from .launch import WorldError, run_world
+
     result = {"modules": modules, "unmatched": unmatched, "generated": artifact.files, "timings": timings}
     code = 0
     if nproc:
@@ -165,13 +188,40 @@ def _summarize_verify(ranks: list[dict]) -> dict:
     }
 
 
-def _print_modules(modules, unmatched, excluded, artifact) -> None:
+def _grouped(modules: list[dict]) -> list[tuple[str, dict]]:
+    """Consecutive blocks that differ only in their layer index, as one row: ``model.layers.{3..58}.mlp``."""
+    import re
+
+    rows: list[tuple[str, list[int], dict]] = []  # (path pattern, layer indices, row)
+    for m in modules:
+        match = re.search(r"\.(\d+)\.", m["path"])
+        same = {k: v for k, v in m.items() if k not in ("path", "experts_by_rank")}
+        if match and not m["experts_by_rank"]:
+            pattern = m["path"][: match.start(1)] + "{}" + m["path"][match.end(1):]
+            last = rows[-1] if rows else None
+            if last and last[0] == pattern and last[1] and last[1][-1] + 1 == int(match.group(1)) and last[2] == same:
+                last[1].append(int(match.group(1)))
+                continue
+            rows.append((pattern, [int(match.group(1))], same))
+        else:
+            rows.append((m["path"], [], same))
+    out = []
+    for pattern, layers, row in rows:
+        if len(layers) > 1:
+            path = pattern.format("{" + f"{layers[0]}..{layers[-1]}" + "}") + f" ({len(layers)} blocks)"
+        else:
+            path = pattern.format(layers[0]) if layers else pattern
+        out.append((path, row))
+    return out
+
+
+def _print_modules(modules, unmatched, excluded, artifact, cached: bool = False) -> None:
     table = Table(title=f"MoE blocks ({len(modules)} matched, {len(unmatched)} unmatched)")
     for col in ("module", "class", "level", "router", "shared", "layout", "experts", "local", "top-k"):
         table.add_column(col)
-    for m in modules:
+    for paths, m in _grouped(modules):
         a = m["archetype"]
-        table.add_row(m["path"], m["class"], a["level"], a["router"], a["shared"], a["layout"],
+        table.add_row(paths, m["class"], a["level"], a["router"], a["shared"], a["layout"],
                       str(m["num_experts"]), str(m["local_experts"]), str(m["top_k"]))
     console.print(table)
     for m in modules:
@@ -182,7 +232,7 @@ def _print_modules(modules, unmatched, excluded, artifact) -> None:
         console.print(f"[yellow]unmatched[/] {u['path']} ({u['class']}): {u['reason']}")
     if excluded:
         console.print(f"excluded by the plan: {len(excluded)} block(s)")
-    console.print(f"generated: {artifact.directory}")
+    console.print(f"{'current, reused' if cached else 'generated'}: {artifact.directory}")
 
 
 def _print_verify(ranks: list[dict]) -> None:

@@ -98,3 +98,23 @@ def test_include_glob_that_selects_no_block_is_a_clean_error(tiny_dir: Path, tmp
     msg = capsys.readouterr().out
     assert "select none" in msg and "model.layers.0.mlp" in msg and "Traceback" not in msg
     assert not out.exists()
+
+
+def test_cached_apply_neither_builds_the_model_nor_probes(tiny_dir: Path, tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
+    """A second apply with the same inputs recognises its artifact from the key and the recorded
+    summary: no model is built, no archetype probe runs, the report is the same."""
+    import hp_rewrite.commands as commands
+
+    out, first, second = tmp_path / "gen", tmp_path / "first.json", tmp_path / "second.json"
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(out), "--report", str(first)]) == 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached apply built the model")
+
+    monkeypatch.setattr(commands, "meta_model", refuse)
+    capsys.readouterr()
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(out), "--report", str(second)]) == 0
+    assert "current, reused" in capsys.readouterr().out
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["modules"] == b["modules"] and a["generated"] == b["generated"]

@@ -26,15 +26,27 @@ from pathlib import Path
 import transformers
 
 from .. import __version__
-from .specialize import templates_hash
 
 MODULE_FILE = "modeling_ep.py"
 MANIFEST_FILE = "manifest.json"
 DIFF_FILE = "changes.diff"
+SUMMARY_FILE = "summary.json"  # what the analysis found (blocks, archetypes), for a cached apply to show
 
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def templates_hash() -> str:
+    """A hash of every shipped template: generated code changes whenever one does, so the artifact
+    key must too (a cached artifact from an older template would otherwise be reused)."""
+    from importlib import resources
+
+    folder = Path(str(resources.files("hp_rewrite.archetypes")))
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*.py")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
 
 
 def original_forward_source(cls: type) -> str:
@@ -48,10 +60,13 @@ def original_forward_source(cls: type) -> str:
 
 
 def class_source_hash(cls: type) -> str:
+    """A hash of the file that defines ``cls`` (reading it is cheaper than finding the class in it, and
+    a cached ``apply`` checks every patched class): any edit of that file regenerates the artifact."""
     try:
-        return sha256(inspect.getsource(cls))
+        data = Path(inspect.getsourcefile(cls)).read_bytes()
     except (OSError, TypeError):
         return sha256(cls.__module__ + "." + cls.__qualname__)
+    return hashlib.sha256(cls.__qualname__.encode() + b"\0" + data).hexdigest()
 
 
 @dataclass
@@ -78,6 +93,21 @@ class Artifact:
     @property
     def files(self) -> list[str]:
         return [str(self.directory / f) for f in (MODULE_FILE, MANIFEST_FILE, DIFF_FILE)]
+
+    @property
+    def summary(self) -> dict | None:
+        """What the analysis that generated this artifact found (None when not recorded)."""
+        try:
+            return json.loads((self.directory / SUMMARY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def record_summary(self, summary: dict) -> None:
+        """Keep ``summary`` beside the artifact (atomically; not part of its key)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{SUMMARY_FILE}.", dir=self.directory)
+        with os.fdopen(fd, "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        os.replace(tmp, self.directory / SUMMARY_FILE)
 
 
 def _module_text(functions: list[GeneratedFunction], header: dict) -> str:

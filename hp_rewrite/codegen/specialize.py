@@ -26,18 +26,6 @@ def template_path(name: str) -> Path:
     return Path(str(resources.files("hp_rewrite.archetypes").joinpath(f"{name}.py")))
 
 
-def templates_hash() -> str:
-    """A hash of every shipped template: generated code changes whenever one does, so the artifact
-    key must too (a cached artifact from an older template would otherwise be reused)."""
-    import hashlib
-
-    folder = Path(str(resources.files("hp_rewrite.archetypes")))
-    digest = hashlib.sha256()
-    for f in sorted(folder.glob("*.py")):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    return digest.hexdigest()
-
-
 def literal(value: object) -> cst.BaseExpression:
     """A libcst expression for a constant (floats that are not finite become ``float("inf")``)."""
     if isinstance(value, float) and value != value:
