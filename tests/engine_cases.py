@@ -212,8 +212,10 @@ def compile_parity(rank: int, world: int, payload: dict) -> dict:
     explained = torch._dynamo.explain(rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"])))(
         input_ids=torch.randint(0, vocab, (2, 8), generator=gen))
     out["graphs"], out["breaks"] = explained.graph_count, explained.graph_break_count
-    out["break_sites"] = sorted({f"{Path(r.user_stack[-1].filename).name}:{r.user_stack[-1].lineno}"
+    # where: file and function (line numbers move with every edit), and the line's code
+    out["break_sites"] = sorted({f"{Path(r.user_stack[-1].filename).name}:{r.user_stack[-1].name}"
                                  for r in explained.break_reasons if r.user_stack})
+    out["break_lines"] = sorted({(r.user_stack[-1].line or "").strip() for r in explained.break_reasons if r.user_stack})
     out["layers"] = ref.config.get_text_config().num_hidden_layers
     # the local expert compute (gate/up GEMM, activation, down GEMM) of a layer is one region
     out["grouped_mm_per_graph"] = [n for n in (sum("grouped_mm" in str(node.target) for node in g.graph.nodes)
