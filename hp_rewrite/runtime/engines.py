@@ -163,11 +163,11 @@ class EngineGuard:
                 # parameter) during forward; fully_shard a DTensor
                 if not isinstance(p, nn.Parameter) or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):
                     raise ExpertParallelError(
-                        f"{type(holder).__name__}.{name} is sharded by FSDP (FSDP1 or fully_shard): FSDP "
-                        "treats each rank's own experts as shards of one tensor and mixes different experts. "
-                        "Wrap the rewritten model in DistributedDataParallel (or Trainer / accelerate without "
-                        "an FSDP plugin), or synchronise with hp_rewrite.sync_gradients(model); apply FSDP "
-                        "only to modules without experts"
+                        f"{type(holder).__name__}.{name} is sharded by FSDP (FSDP1, or torch's fully_shard): "
+                        "FSDP over the world treats each rank's own experts as shards of one tensor and mixes "
+                        "different experts. Shard the rewritten model with hp_rewrite.fully_shard(model) "
+                        "(experts over their replicas, the rest over the world), or wrap it in "
+                        "DistributedDataParallel (Trainer / accelerate without an FSDP plugin)"
                     )
 
     def _check_ddp(self, ddp: nn.Module, model: nn.Module) -> None:
