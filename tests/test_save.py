@@ -55,3 +55,24 @@ def test_save_with_balanced_placement_restores_expert_order(tmp_path: Path) -> N
     reloaded = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager")
     for (name, a), (_, b) in zip(plain.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_save_into_an_existing_directory_keeps_what_is_not_weights(tmp_path: Path) -> None:
+    """A Trainer run directory (or a checkpoint folder) is saved into, not replaced: other files stay,
+    an earlier save's shards that the new index does not name go, plain transformers loads the result."""
+    import hp_rewrite
+
+    original = make_tiny("qwen3_moe", tmp_path / "original")
+    model = hp_rewrite.from_pretrained(original, plan=Path(__file__).parent.parent / "plans" / "auto-ep2.yaml",
+                                       artifact_dir=tmp_path / "gen")
+    out = tmp_path / "run"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    hp_rewrite.save_pretrained(model, out)
+    assert (out / "checkpoint-5" / "trainer_state.json").read_text() == "{}"
+    assert not (out / "model-00009-of-00009.safetensors").exists()
+    plain = AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    for (name, a), (_, b) in zip(plain.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -63,13 +63,13 @@ def _publish(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
         return
     new = {f.name for f in tmp.iterdir()}
-    for pattern in _WEIGHT_FILES:
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == INDEX_FILE):  # shards, then the index naming them
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    for pattern in _WEIGHT_FILES:  # an earlier save's shards, no longer named by any index
         for stale in out.glob(pattern):
             if stale.name not in new:
                 stale.unlink()
-    for f in sorted(tmp.iterdir(), key=lambda f: f.name == INDEX_FILE):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ExpertParallelError
-from .gradients import _all_reduce_mean, rank_local_modules, rank_local_names, rank_local_parameters
-from .gradnorm import mark_expert_grads
+from .gradients import rank_local_modules, rank_local_names, rank_local_parameters, reduce_rank_local_grads
 from .groups import ExpertParallelGroup
 from .turns import in_interleaved_step
 
@@ -150,13 +149,13 @@ class EngineGuard:
         from torch.distributed.tensor import DTensor
 
         for holder in self._holders:
-            if getattr(holder, "hp_fsdp_sharded", False):
+            if getattr(holder, "hp_fsdp_sharded", False):  # hp_rewrite.fully_shard: over the expert replicas
                 if in_interleaved_step():
                     raise ExpertParallelError(
                         "hp_rewrite.Interleaver runs several forward and backward passes of one rank at once, "
                         "which FSDP2 does not support: use the Interleaver without fully_shard"
                     )
-                continue  # hp_rewrite.fully_shard: sharded over the expert-replica mesh, as it should be
+                continue
             for name in holder.hp_layout.weight_names:
                 p = holder._parameters.get(name)
                 # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat
@@ -218,12 +217,11 @@ class EngineGuard:
         accumulation that reduces after every micro-batch (DDP without ``no_sync()``, or
         ``sync_gradients`` called each time) gives the same gradients as one reduction at the end;
         without this the earlier micro-batches would end up divided by the EP size once more."""
-        model = self._model
-        if not self._reduced or model is None:
+        if not self._reduced:
             return
         self._reduced = False
         if self.ep.size > 1:
-            for p in rank_local_parameters(model):
+            for p in rank_local_parameters(self._model):
                 if p.grad is not None:
                     p.grad.mul_(self.ep.size)
 
@@ -231,19 +229,10 @@ class EngineGuard:
         """End of a backward; when DDP synchronises it, the rank-local gradients are summed over the
         replicas and divided by the world size."""
         self._tasks.discard(task)
-        model = self._model
-        if model is None or not sync:
+        if not sync:
             return
         self.ep.weight_grads.flush()  # runtime.defer_expert_grads: the deferred parts first
-        params = [p for p in rank_local_parameters(model) if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
-                p.grad = torch.zeros_like(p)
-        replica = self.ep.replica_group if self.ep.replica_size > 1 else False
-        world = dist.get_world_size()
-        for dtype in sorted({p.grad.dtype for p in params}, key=str):
-            _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, world)
-        mark_expert_grads(params, self.ep.group)
+        reduce_rank_local_grads([p for p in rank_local_parameters(self._model) if p.requires_grad], self.ep)
         self.reductions += 1
         self._reduced = True
 

@@ -99,21 +99,29 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
-    local_params = rank_local_parameters(model)
-    experts = {id(p) for p in local_params}
-    expert_grads, replicated_grads = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
+    experts = {id(p) for p in rank_local_parameters(model)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    replicated = [p for p in params if id(p) not in experts]
+    for p in replicated:
         if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
             p.grad = torch.zeros_like(p)
-        (expert_grads if id(p) in experts else replicated_grads).append(p.grad)
-    for dtype in sorted({g.dtype for g in replicated_grads}, key=str):
-        _all_reduce_mean([g for g in replicated_grads if g.dtype == dtype], None, world)
+    for dtype in sorted({p.grad.dtype for p in replicated}, key=str):
+        _all_reduce_mean([p.grad for p in replicated if p.grad.dtype == dtype], None, world)
+    reduce_rank_local_grads([p for p in params if id(p) in experts], ep)
+
+
+def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup) -> None:
+    """The rank-local half of the contract (module doc): summed over the expert replicas, divided by
+    the world size, and made :class:`~.gradnorm.ExpertGrad` (global norms in ``clip_grad_norm_``).
+    Every rank of the world calls it with the same parameters (one missing its gradient gets zeros)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     replica = ep.replica_group if ep.replica_size > 1 else False
-    for dtype in sorted({g.dtype for g in expert_grads}, key=str):
-        _all_reduce_mean([g for g in expert_grads if g.dtype == dtype], replica, world)
-    mark_expert_grads([p for p in local_params if p.requires_grad], ep.group)  # global norms in clip_grad_norm_
+    world = dist.get_world_size()
+    for dtype in sorted({p.grad.dtype for p in params}, key=str):
+        _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, world)
+    mark_expert_grads(params, ep.group)
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap

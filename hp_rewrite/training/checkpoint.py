@@ -122,12 +122,7 @@ def load(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None
     # the optimizer's live state, before the views (DCP writes through them into the same storage)
     live = None if optimizer is None else get_optimizer_state_dict(
         inner, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
-    dcp.load(state, checkpoint_id=str(checkpoint_dir))
-    with torch.no_grad():  # expert views and DTensors were written in place; plain replicated weights too
-        for name, value in get_model_state_dict(inner).items():
-            loaded = state["model"][name]
-            if not isinstance(value, DTensor) and loaded is not value and not isinstance(loaded, DTensor):
-                value.copy_(loaded)
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))  # in place: every model tensor aliases its parameter
     if optimizer is not None:
         for name, entry in live["state"].items():
             for key, value in entry.items():
