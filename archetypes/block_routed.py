@@ -2,26 +2,40 @@
 
 router -> dispatch (all-to-all in flight) -> shared expert (overlaps the exchange) -> local experts
 and combine -> shared merge. The generator specialises this template per matched block class:
-upper-case names are placeholders (attribute names of the block and constants), and ``if`` tests
-on constants are resolved so only the branches the block has remain.
+upper-case names are placeholders (attribute names of the block and constants, all declared by
+:class:`Params`), and ``if`` tests on constants are resolved so only the branches the block has remain.
 """
+
+# ruff: noqa: F821 - the upper-case placeholders are declared by Params below, not as globals
+from dataclasses import dataclass
 
 import torch
 
 from hp_rewrite import runtime as hp
+from hp_rewrite.codegen.specialize import attribute
 
-# Placeholders (replaced by the generator; the values here only make the template importable).
-ROUTER_KIND = "topk_router_module"  # softmax_topk | sigmoid_group | topk_router_module
-SHARED_MODE = "none"  # none | additive | gated | scaled
-TOP_K = 2
-RENORMALIZE = False
-SCALING = None
-WEIGHTS_DTYPE = "logits"
-NUM_GROUPS = 1
-TOPK_GROUPS = 1
-MASKED_FILL = float("-inf")
-ROUTED_SCALE = 1.0
-RETURNS_ROUTER_WEIGHTS = False
+
+@dataclass(frozen=True)
+class Params:
+    """The template's contract: every placeholder of :func:`forward`, with its default."""
+
+    # attribute names on the block (self.ROUTER -> self.gate); None: the block has no such child
+    ROUTER: str = attribute()
+    EXPERTS: str = attribute()
+    SHARED: str | None = attribute(default=None)
+    SHARED_GATE: str | None = attribute(default=None)
+    # constants, generated as literals
+    ROUTER_KIND: str = "topk_router_module"  # softmax_topk | sigmoid_group | topk_router_module
+    SHARED_MODE: str = "none"  # none | additive | gated | scaled
+    RETURNS_ROUTER_WEIGHTS: bool = False
+    TOP_K: int = 1
+    RENORMALIZE: bool = False
+    SCALING: float | None = None
+    WEIGHTS_DTYPE: str = "logits"  # logits | fp32
+    NUM_GROUPS: int = 1
+    TOPK_GROUPS: int = 1
+    MASKED_FILL: float = float("-inf")
+    ROUTED_SCALE: float = 1.0
 
 
 def forward(self, hidden_states):

@@ -4,13 +4,21 @@ Used when the block as a whole has no archetype (shared branch on the decoder la
 around the experts, routed scaling in the block, several experts holders...). The model's own block
 code, router and shared expert keep running; the experts holder's forward, which receives global
 expert ids, dispatches the rows to the ranks that own their experts and combines the results.
+
+The forward itself is the runtime's (:func:`hp_rewrite.runtime.expert_parallel_forward`, the one
+``install_expert_parallel`` installs): there is one experts-level forward, and the generated function
+only gives it the patched class's name in the artifact.
 """
+
+from dataclasses import dataclass
 
 from hp_rewrite import runtime as hp
 
 
+@dataclass(frozen=True)
+class Params:
+    """The template's contract: no placeholders (every experts holder runs the same forward)."""
+
+
 def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
-    if isinstance(hidden_states, hp.LocalBatch):  # called by a block-level forward: local experts only
-        return hp.local_experts_forward(self, hidden_states, self.hp_layout)
-    state = hp.dispatch(hidden_states, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
-    return hp.experts_and_combine(state, self, via_call=False)
+    return hp.expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)

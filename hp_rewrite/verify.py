@@ -18,19 +18,16 @@ from torch import nn
 
 from .loading.local import load_expert_parallel
 from .plan import Plan
-from .runtime import build_expert_parallel_group
+from .runtime import build_expert_parallel_group, kernel_choice
 
 FP32_TOL = 1e-5
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The checkpoint's model with an LM head when it has one (eager attention, eval mode)."""
-    from transformers import AutoConfig
+    from .hf import pretrained_model
 
-    from .loading.tiny import auto_class_for
-
-    config = AutoConfig.from_pretrained(model_dir)
-    return auto_class_for(config).from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+    return pretrained_model(model_dir, dtype=dtype).eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> tuple[float, float]:
@@ -75,6 +72,18 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
     return errors
 
 
+def kernel_choices(model: nn.Module, compute: str, device_type: str, dtype: torch.dtype) -> list[dict]:
+    """The expert-compute backend of every installed holder and why, one row per distinct choice."""
+    rows: dict[tuple, dict] = {}
+    for name, m in model.named_modules():
+        if getattr(m, "hp_expert_parallel", None) is None:
+            continue
+        c = kernel_choice(compute, m, device_type, dtype, m.hp_layout)
+        row = rows.setdefault((c.backend, c.reason), {**c.as_dict(), "holders": []})
+        row["holders"].append(name)
+    return list(rows.values())
+
+
 def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(max(1, payload.get("threads", 1)))
     plan = Plan.model_validate(payload["plan"])
@@ -98,6 +107,7 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     (out * upstream[mine]).sum().backward()
     timings["ep_step_s"] = time.perf_counter() - t0
     result = {"patched": patched, "timings": timings,
+              "kernels": kernel_choices(model, plan.runtime.compute, out.device.type, out.dtype),
               "loaded_bytes": {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
     if ref is None:
         return result

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 import hp_rewrite.runtime as hp
 from hp_rewrite.cost.flopcount import count_flops
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.match.structure import find_blocks
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
 SEQ, BATCH = 8, 2

@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import ExpertParallelError, expert_parameters
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.training_cases import _lm_loss, _worst
 
 

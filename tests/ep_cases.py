@@ -212,7 +212,8 @@ def reference_forward(family: str, blk: nn.Module, h: torch.Tensor) -> torch.Ten
 
 def _routed_kw(blk: nn.Module, ep, opts: RuntimeOptions) -> dict:
     """The runtime arguments generated code passes: the placement the experts were installed with."""
-    return {"num_experts": E, "ep": ep, "options": opts, "placement": blk.experts.hp_expert_parallel.placement}
+    binding = blk.experts.hp_expert_parallel
+    return {"num_experts": E, "ep": ep, "options": opts, "placement": binding.placement, "runtime": binding.runtime}
 
 
 def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOptions) -> torch.Tensor:
@@ -364,10 +365,11 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         r = forced_route(ep_blk, x_ep, routing, ep_size, case.get("top_k", 2))
         return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, **_routed_kw(ep_blk, ep, opts))
 
-    jobs_before = ep.weight_grads.jobs_run
+    weight_grads = ep_blk.experts.hp_expert_parallel.runtime.weight_grads
+    jobs_before = weight_grads.jobs_run
     out = run_ep()
     (out * g[sl]).sum().backward()
-    deferred_jobs = ep.weight_grads.jobs_run - jobs_before  # runtime.defer_expert_grads: weight-gradient GEMMs
+    deferred_jobs = weight_grads.jobs_run - jobs_before  # runtime.defer_expert_grads: weight-gradient GEMMs
 
     errors = {"output": _rel(out, ref_out[sl]), "grad/input": _rel(x_ep.grad, x_ref.grad[sl])}
     layout = ExpertsLayout.of(ep_blk.experts)
@@ -391,7 +393,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     result = {"errors": errors}
     if opts.defer_expert_grads and ep.size > 1:  # the deferred path ran, and nothing is left queued
         got_rows = ep_blk.experts.hp_last_stats.rows_received > 0
-        result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(ep.weight_grads) == 0
+        result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(weight_grads) == 0
     if family == "qwen3" and routing == "natural" and not capacity:  # stats are per global expert
         r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
         want = torch.bincount(r.indices.reshape(-1), minlength=E)

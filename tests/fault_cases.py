@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from hp_rewrite.loading.patch import rewrite_model
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 
 def faulty_training(rank: int, world: int, payload: dict) -> dict:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 from hp_rewrite.verify import gradient_errors
 
 TOL = 1e-5

@@ -9,7 +9,7 @@ import pytest
 
 from hp_rewrite import __version__
 from hp_rewrite.cli import main
-from hp_rewrite.loading.tiny import make_tiny
+from hp_rewrite.tiny import make_tiny
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 
@@ -104,7 +104,7 @@ def test_cached_apply_neither_builds_the_model_nor_probes(tiny_dir: Path, tmp_pa
                                                          monkeypatch) -> None:
     """A second apply with the same inputs recognises its artifact from the key and the recorded
     summary: no model is built, no archetype probe runs, the report is the same."""
-    import hp_rewrite.commands as commands
+    import hp_rewrite.apply as apply_library
 
     out, first, second = tmp_path / "gen", tmp_path / "first.json", tmp_path / "second.json"
     assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(out), "--report", str(first)]) == 0
@@ -112,7 +112,7 @@ def test_cached_apply_neither_builds_the_model_nor_probes(tiny_dir: Path, tmp_pa
     def refuse(*args, **kwargs):
         raise AssertionError("a cached apply built the model")
 
-    monkeypatch.setattr(commands, "meta_model", refuse)
+    monkeypatch.setattr(apply_library, "meta_model", refuse)
     capsys.readouterr()
     assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(out), "--report", str(second)]) == 0
     assert "current, reused" in capsys.readouterr().out

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.rewrite import analyze, generated_functions
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.rewrite_cases import plan_for
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

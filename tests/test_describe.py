@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from hp_rewrite.cli import main
-from hp_rewrite.match.describe import UNTOUCHED, compact_paths, describe, ep_size_for, path_glob
+from hp_rewrite.match.diagnosis import describe
+from hp_rewrite.match.snippets import UNTOUCHED, compact_paths, ep_size_for, path_glob
 from hp_rewrite.plan import parse_plan
 
 try:
-    from hp_rewrite.loading.tiny import tiny_config
+    from hp_rewrite.hf.shrink import tiny_config
 except ImportError:  # the tiny-model helper is optional here: a few explicit configs suffice
     tiny_config = None
 
@@ -154,17 +155,18 @@ def test_console_output(capsys, config_dirs) -> None:
 # -- MoE that does not follow the experts contract -------------------------------------------------
 
 
-def test_llama4_dense_input_scaled_experts(capsys, config_dirs) -> None:
+def test_llama4_input_scaled_experts_get_a_block_level_archetype(capsys, config_dirs) -> None:
+    # Llama4TextExperts.forward(hidden) takes no routing: the block scales the experts' input by the router
+    # score. The holder is found by structure and only the block-level input_scaled archetype drives it.
     doc = run_json(capsys, config_dirs("llama4"))
-    assert doc["groups"] == []
-    assert len(doc["non_contract"]) == 1
-    f = doc["non_contract"][0]
-    assert f["class"] == "Llama4TextExperts" and f["kind"] == "no-routing-inputs"
-    assert f["paths"] and all(p.endswith(".feed_forward.experts") for p in f["paths"])
-    assert f["params"]["gate_up_proj"][0] == 8
-    assert "top_k_index" in f["reason"] and "input" in f["reason"] and UNTOUCHED in f["reason"]
-    assert f["structure"]["router"] == "model.layers.*.feed_forward.router"
-    assert "data-parallel" in f["action"] and "extension" in f["action"]
+    assert doc["non_contract"] == []
+    assert len(doc["groups"]) == 1
+    g = doc["groups"][0]
+    assert g["class"] == "Llama4TextMoe" and g["reason"] is None
+    assert g["paths"] and all(p.endswith(".feed_forward") for p in g["paths"])
+    assert g["archetype"]["level"] == "block" and g["archetype"]["router"] == "input_scaled"
+    assert g["archetype"]["shared"] == "additive" and g["archetype"]["names"]["ROUTER"] == "router"
+    assert "model.layers.*.feed_forward" in g["plan_snippet"]
 
 
 def test_switch_transformers_expert_modules(capsys, config_dirs) -> None:
@@ -305,7 +307,7 @@ def test_unmatched_holder_gets_the_reason(capsys) -> None:
     assert g["archetype"] is None and "differs" in g["reason"]
     assert len(g["paths"]) == 3 and g["structure"]["router"] == "gate"
     check_snippet(g, 4, ["layers.*"])
-    from hp_rewrite.match.describe import print_report
+    from hp_rewrite.cli.describe import print_report
 
     print_report(doc)
     out = capsys.readouterr().out
@@ -313,11 +315,49 @@ def test_unmatched_holder_gets_the_reason(capsys) -> None:
 
 
 def test_large_blocks_are_confirmed_on_a_shrunk_copy(capsys, config_dirs, monkeypatch) -> None:
-    import hp_rewrite.match.describe as describe_module
+    import hp_rewrite.match.probe_size as probe_size
 
     direct = only_group(run_json(capsys, config_dirs("qwen2_moe")))
-    monkeypatch.setattr(describe_module, "MATERIALIZE_LIMIT", 0)
+    monkeypatch.setattr(probe_size, "PROBE_LIMIT_PARAMS", 0)
     doc = run_json(capsys, config_dirs("qwen2_moe"))
     assert "shrunk copy" in doc["note"]
     g = only_group(doc)
     assert g["archetype"] == direct["archetype"] and g["paths"] == direct["paths"]
+
+
+def test_records_round_trip_the_json_document(capsys, config_dirs) -> None:
+    from hp_rewrite.match.diagnosis import Diagnosis
+
+    for model_type in ("qwen2_moe", "llama4", "llama"):
+        doc = run_json(capsys, config_dirs(model_type))
+        assert json.dumps(Diagnosis.from_json(doc).to_json()) == json.dumps(doc)
+
+
+def test_analysis_errors_are_collected_for_the_diagnosis(monkeypatch) -> None:
+    import hp_rewrite.match.analysis as rewrite
+    from hp_rewrite.plan import DEFAULT_PLAN
+
+    with torch.device("meta"):
+        model = _Model(lambda: _RoutedBlock(_WrongMathExperts()))
+    real = rewrite.analyze_block
+
+    def broken(path, block, name):
+        if path == "layers.1":
+            raise RuntimeError("no structure")
+        return real(path, block, name)
+
+    def no_probe(*args, **kwargs):
+        raise ValueError("no probe")
+
+    monkeypatch.setattr(rewrite, "analyze_block", broken)
+    monkeypatch.setattr(rewrite, "choose_archetype", no_probe)
+    with pytest.raises(ValueError, match="no probe"):
+        rewrite.analyze(model, DEFAULT_PLAN)
+    analysis = rewrite.analyze(model, DEFAULT_PLAN, collect_errors=True)
+    assert [f.path for f in analysis.failed] == ["layers.1.experts"]
+    assert analysis.failed[0].reason == "the structure analysis raised RuntimeError: no structure"
+    assert [r.structure.path for r in analysis.unmatched] == ["layers.0", "layers.2"]
+    assert analysis.unmatched[0].reason == "the archetype probe raised ValueError: no probe"
+    doc = describe(model, None)
+    assert [f["kind"] for f in doc["non_contract"]] == ["not-a-holder"]
+    assert only_group(doc)["reason"] == "the archetype probe raised ValueError: no probe"

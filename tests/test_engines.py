@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hp_rewrite.launch import run_world
-from hp_rewrite.loading.tiny import make_tiny
+from hp_rewrite.tiny import make_tiny
 from tests.training_cases import TOL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> No
 
 
 def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:
-    from hp_rewrite.loading.tiny import make_tiny
+    from hp_rewrite.tiny import make_tiny
 
     payload = {"out_dir": str(tmp_path), "model_dir": str(make_tiny("qwen3_moe", tmp_path / "m"))}
     for r in run_world(2, "tests.fsdp_cases:fsdp_refusals", payload):
@@ -131,7 +131,7 @@ def test_fully_sharded_load_reads_only_each_ranks_share(tmp_path: Path) -> None:
     """hp_rewrite.load_fully_sharded at EP=2 x 2 replicas: every shard is the checkpoint's, each rank
     reads its final bytes and no more (dense tensors by rows, experts by their shard's experts), and
     the load's peak RSS stays within 1.15x of them (measured 1.04; 141 MB checkpoint, 37 MB a rank). RSS over the RSS before the call, after a warm-up load and the artifact's analysis."""
-    from hp_rewrite.loading.tiny import build_tiny_model, make_tiny, tiny_config
+    from hp_rewrite.tiny import build_tiny_model, make_tiny, tiny_config
 
     cfg = tiny_config("qwen3_moe")
     for key, value in {"hidden_size": 256, "num_hidden_layers": 16, "num_experts": 8, "moe_intermediate_size": 256,

@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from hp_rewrite.launch import run_world
-from hp_rewrite.loading import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 from hp_rewrite.loading.local import CheckpointKeyError, load_expert_parallel
 from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
 from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.tiny import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded"]
 BALANCED = ["qwen3_moe", "gpt_oss", "granitemoe"]  # also loaded with the plan's balanced placement

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import subprocess
@@ -13,9 +14,9 @@ import torch
 
 from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
 from hp_rewrite.launch import run_world
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.rewrite_cases import REQUIRED_FAMILIES, TOL, compare, plan_for
 
 
@@ -50,7 +51,35 @@ def test_forced_router_that_does_not_fit_is_reported_not_ignored(tmp_path: Path)
     assert all("the plan asks for router: sigmoid_group" in reason for reason in r["unmatched"])
 
 
-_EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES]
+# Experts that take no routing (Llama 4): the router score scales the experts' input (input_scaled archetype).
+INPUT_SCALED_FAMILIES = ["llama4_text", "llama4"]
+
+
+@pytest.mark.parametrize("model_type", INPUT_SCALED_FAMILIES)
+def test_input_scaled_routing_matches_unmodified(model_type: str, tmp_path: Path) -> None:
+    r = compare(model_type, str(tmp_path))
+    assert len(r["patched"]) == 2 and {a["router"] for a in r["archetypes"]} == {"input_scaled"}, r
+    assert {a["level"] for a in r["archetypes"]} == {"block"}, r
+    assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
+
+
+def test_input_scaled_router_logits_keep_working(tmp_path: Path) -> None:
+    """Llama 4 records its router logits (no aux loss in transformers): the rewritten model gives the same."""
+    ref = build_tiny_model(tiny_config("llama4_text"), seed=0)
+    model = copy.deepcopy(ref)
+    plan = plan_for(1)
+    _, artifact = generate(model, plan, model.config, tmp_path)
+    assert install(model, artifact, plan, ExpertParallelGroup.single())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(input_ids=ids, output_router_logits=True), model(input_ids=ids, output_router_logits=True)
+    assert a.router_logits and len(a.router_logits) == len(b.router_logits)
+    for x, y in zip(a.router_logits, b.router_logits, strict=True):
+        assert x.shape == y.shape and ((x - y).abs().max() / x.abs().max()).item() <= TOL
+    assert getattr(b, "aux_loss", None) is None and getattr(a, "aux_loss", None) is None
+
+
+_EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SCALED_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 
 
@@ -143,7 +172,7 @@ def test_interrupted_generation_leaves_nothing(qwen2_model, tmp_path: Path, monk
 
 
 def test_ensure_artifact_reuses_without_analysis(qwen2_model, tmp_path: Path, monkeypatch) -> None:
-    from hp_rewrite import rewrite
+    from hp_rewrite.match import generate as rewrite
 
     plan = plan_for(2)
     first = rewrite.ensure_artifact(qwen2_model, plan, qwen2_model.config, tmp_path)

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hp_rewrite.launch import run_world
-from hp_rewrite.loading.tiny import make_tiny
 from hp_rewrite.match import find_blocks
+from hp_rewrite.tiny import make_tiny
 
 TOL = 1e-6  # safetensors-loaded storage may be unaligned: grouped GEMM then differs by ~1e-7
 

@@ -10,7 +10,7 @@ import torch
 
 import hp_rewrite
 from hp_rewrite.launch import run_world
-from hp_rewrite.loading.tiny import make_tiny
+from hp_rewrite.tiny import make_tiny
 from tests.training_cases import TOL
 
 CASES = [  # (world, ep_size, model_type, aux, balanced placement)

@@ -12,10 +12,10 @@ import torch
 
 from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
-from hp_rewrite.loading.tiny import build_tiny_model, tiny_config
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import expert_parameters
+from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 TOL = 1e-5
 
@@ -54,7 +54,7 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
     # per-rank aux losses do not average to the global one, with or without hp-rewrite.)
     ref_out = ref(input_ids=ids, **kwargs)
     _lm_loss(ref_out.logits, ids).backward()
-    weight_grads = model.hp_rewrite.ep.weight_grads
+    weight_grads = model.hp_rewrite.runtime.weight_grads
     out = model(input_ids=ids[mine], **kwargs)
     _lm_loss(out.logits, ids[mine]).backward()
     placements = [m.hp_expert_parallel.placement for m in model.modules()
@@ -232,5 +232,5 @@ def deferred_refusals(rank: int, world: int, payload: dict) -> dict:
         loss.backward(create_graph=True)
     except ExpertParallelError as e:
         out["create_graph"] = str(e)
-    model.hp_rewrite.ep.weight_grads.clear()
+    model.hp_rewrite.runtime.weight_grads.clear()
     return out

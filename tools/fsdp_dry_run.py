@@ -47,7 +47,7 @@ def shard_rank(rank: int, world: int, ep: int, artifact_dir: Path) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import hp_rewrite
-    from hp_rewrite.commands import meta_model
+    from hp_rewrite.hf import meta_model
     from hp_rewrite.loading.patch import rewrite_model
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.runtime import expert_parameters

@@ -134,7 +134,7 @@ def _reset_peak() -> None:
 def rank_main(rank: int, world: int, payload: dict) -> dict:
     import torch
 
-    from hp_rewrite import rewrite
+    from hp_rewrite.loading import install as install_step
     from hp_rewrite.loading.local import load_expert_parallel
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.runtime import build_expert_parallel_group
@@ -147,14 +147,14 @@ def rank_main(rank: int, world: int, payload: dict) -> dict:
     gc.collect()
 
     phases: dict[str, int] = {}
-    install = rewrite.install
+    install = install_step.install
 
     def timed_install(*args, **kwargs):  # called right after the analysis: close its phase
         phases["analysis_peak"] = _status_kib("VmHWM") * 1024
         _reset_peak()
         return install(*args, **kwargs)
 
-    rewrite.install = timed_install
+    install_step.install = timed_install
     try:
         _reset_peak()
         baseline = _status_kib("VmRSS") * 1024
@@ -163,7 +163,7 @@ def rank_main(rank: int, world: int, payload: dict) -> dict:
         wall = time.perf_counter() - t0
         phases["weights_peak"] = _status_kib("VmHWM") * 1024
     finally:
-        rewrite.install = install
+        install_step.install = install
     end_rss = _status_kib("VmRSS") * 1024
     return {
         "baseline": baseline,
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     from hp_rewrite.launch import run_world
-    from hp_rewrite.loading import make_tiny
+    from hp_rewrite.tiny import make_tiny
 
     config = qwen3_moe_config(args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab)
     tag = f"h{args.hidden}-l{args.layers}-e{args.experts}-i{args.moe_intermediate}-v{args.vocab}"

@@ -23,9 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import transformers
-
 from .. import __version__
+from ..hf import transformers_version
 
 MODULE_FILE = "modeling_ep.py"
 MANIFEST_FILE = "manifest.json"
@@ -67,6 +66,31 @@ def class_source_hash(cls: type) -> str:
     except (OSError, TypeError):
         return sha256(cls.__module__ + "." + cls.__qualname__)
     return hashlib.sha256(cls.__qualname__.encode() + b"\0" + data).hexdigest()
+
+
+def module_source_hash(name: str) -> str:
+    """sha256 of a module's source file (an extension's archetype module, recorded in the manifest):
+    found without importing the module itself, so a cached artifact can be checked cheaply."""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(name)
+            path = spec.origin if spec is not None else None
+        except (ImportError, ValueError):
+            path = None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except (OSError, TypeError):
+        return sha256(name)
+
+
+def _sources_current(classes: dict) -> bool:
+    """Whether every module an archetype recorded (``sources_sha256``: extensions) is unchanged."""
+    return all(
+        module_source_hash(name) == digest
+        for entry in classes.values()
+        for name, digest in (entry.get("archetype", {}).get("sources_sha256") or {}).items()
+    )
 
 
 @dataclass
@@ -136,7 +160,7 @@ def _diff(functions: list[GeneratedFunction]) -> str:
 def build_manifest(functions: list[GeneratedFunction], plan_hash: str, config, model_type: str) -> dict:
     return {
         "hp_rewrite": __version__,
-        "transformers": transformers.__version__,
+        "transformers": transformers_version(),
         "model_type": model_type,
         "templates_sha256": templates_hash(),
         "plan_hash": plan_hash,
@@ -236,7 +260,7 @@ def find_current(out_dir: Path, plan_hash: str, config) -> Artifact | None:
         manifest.pop("module_sha256", None)
         if (manifest.get("plan_hash"), manifest.get("config_hash")) != (plan_hash, config_hash):
             continue
-        if (manifest.get("hp_rewrite"), manifest.get("transformers")) != (__version__, transformers.__version__):
+        if (manifest.get("hp_rewrite"), manifest.get("transformers")) != (__version__, transformers_version()):
             continue
         if manifest.get("templates_sha256") != templates_hash():
             continue
@@ -244,6 +268,7 @@ def find_current(out_dir: Path, plan_hash: str, config) -> Artifact | None:
             (cls := _class_by_qualname(q)) is not None and class_source_hash(cls) == entry["source_sha256"]
             for q, entry in manifest.get("classes", {}).items()
         )
-        if classes_ok and _is_current(manifest_path.parent, manifest):
+        sources_ok = _sources_current(manifest.get("classes", {}))  # extensions' archetype modules
+        if classes_ok and sources_ok and _is_current(manifest_path.parent, manifest):
             return Artifact(manifest_path.parent, manifest)
     return None

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..hf import top_k_of
+from ..match.probe_size import largest_block_params, too_big_to_probe
 from ..match.structure import BlockStructure, experts_layout, find_blocks
-
-#: Blocks with more parameters than this are not materialised to confirm their archetype.
-PROBE_LIMIT_PARAMS = 20_000_000
 
 
 @dataclass(frozen=True)
@@ -142,16 +141,10 @@ def shared_shape(module: nn.Module, hidden: int) -> MLPShape:
 
 def _top_k(s: BlockStructure, config) -> int:
     router = getattr(s.block, s.router_name) if s.router_name else None
-    for owner in (router, s.block, getattr(s.experts, "config", None)):
-        k = getattr(owner, "top_k", None)
-        if isinstance(k, int) and not isinstance(k, bool):
-            return k
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
-        k = getattr(text, name, None)
-        if isinstance(k, int) and not isinstance(k, bool):
-            return k
-    raise ValueError(f"{s.path}: cannot find the router's top-k (no top_k on the router, block or config)")
+    k = top_k_of(s.block, router, getattr(s.experts, "config", None), config)
+    if k is None:
+        raise ValueError(f"{s.path}: cannot find the router's top-k (no top_k on the router, block or config)")
+    return k
 
 
 def layer_spec(s: BlockStructure, config, archetype: dict | None, confirmed: str) -> MoELayerSpec:
@@ -179,16 +172,17 @@ def _class_key(s: BlockStructure) -> tuple[str, str]:
 
 def _archetypes(model: nn.Module, config, plan, blocks: list[BlockStructure]) -> tuple[dict, str, list[str]]:
     """``{(block class, experts class): archetype dict or None}``, how they were confirmed, notes."""
-    from ..rewrite import analyze
+    from ..match.analysis import analyze
 
-    biggest = max((sum(p.numel() for p in s.block.parameters()) for s in blocks), default=0)
-    if biggest <= PROBE_LIMIT_PARAMS:
+    biggest = largest_block_params(s.block for s in blocks)
+    if not too_big_to_probe(biggest):
         analysis = analyze(model, plan)
         found = {_class_key(r.structure): r.archetype.as_dict() for r in analysis.matched}
         found.update({_class_key(r.structure): None for r in analysis.unmatched})
         return found, "executed", []
-    from ..commands import meta_model
-    from ..loading.tiny import TinyError, tiny_config
+    from ..errors import UserError
+    from ..hf import meta_model
+    from ..hf.shrink import tiny_config
     from ..plan.schema import ModulesSection, PlacementSection
 
     try:
@@ -196,7 +190,7 @@ def _archetypes(model: nn.Module, config, plan, blocks: list[BlockStructure]) ->
         # the shrunk model has other expert counts: the plan's placement loads are not for it
         shrunk_plan = plan.model_copy(update={"modules": ModulesSection(), "placement": PlacementSection()})
         analysis = analyze(probe, shrunk_plan)
-    except (TinyError, ValueError, RuntimeError) as e:
+    except (UserError, ValueError, RuntimeError) as e:  # TinyError / ModelDirError are UserErrors
         return {}, "structural", [f"archetypes not confirmed: the shrunk probe model failed ({e})"]
     found = {_class_key(r.structure): r.archetype.as_dict() for r in analysis.matched}
     note = (

@@ -27,6 +27,8 @@ counted in the resident set never exceed one chunk.
 Buffers the checkpoint does not hold (rotary ``inv_freq``...) are initialised by the model's own
 ``initialize_weights`` (as ``from_pretrained`` does: every loaded tensor is flagged
 ``_is_hf_initialized`` first), tied weights are tied with ``tie_weights``.
+
+The file reader and the key mapping live in :mod:`hp_rewrite.loading.checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -34,254 +36,31 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import json
-import math
-import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from ..hf import auto_config, core_model_loading, meta_model, model_conversion_mapping, quiet_transformers
 from ..runtime import ExpertParallelError, ExpertParallelGroup
-from .tiny import quiet_transformers
+from .checkpoint_files import (
+    CHUNK_BYTES,
+    CheckpointKeyError,
+    ExpertSlice,
+    LoadUnit,
+    Reader,
+    expert_slices,
+    index_regex,
+    map_keys,
+    natural_key,
+)
+from .rank0 import rank0_first
 
-__all__ = ["CheckpointKeyError", "load_expert_parallel"]
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CHUNK_BYTES = 16 * 2**20  # largest single read (copy) from a file's memory map
-
-_ITEMSIZE = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-}  # fmt: skip
-
-
-class CheckpointKeyError(ExpertParallelError):
-    """The checkpoint does not fit the model: missing, unexpected, duplicated or mis-shaped tensors."""
-
-
-# ----------------------------------------------------------------------------------------------
-# reading
-
-
-@dataclass(frozen=True)
-class _TensorInfo:
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str
-
-
-class _Reader:
-    """Row-range reads of checkpoint tensors into preallocated tensors, through bounded mmap views."""
-
-    def __init__(self, model_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.chunk_bytes = chunk_bytes
-        self.bytes_read = 0
-        self.files_read: set[str] = set()
-        self.infos: dict[str, _TensorInfo] = {}
-        for file in _checkpoint_files(model_dir):
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    if key in self.infos:
-                        raise CheckpointKeyError(
-                            f"{key} is stored twice: in {self.infos[key].file.name} and {file.name}"
-                        )
-                    s = f.get_slice(key)
-                    self.infos[key] = _TensorInfo(file, tuple(s.get_shape()), s.get_dtype())
-
-    def copy_into(self, key: str, out: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
-        """``out[...] = tensor[start:stop]`` (dim 0; the whole tensor by default), read chunk by chunk."""
-        info = self.infos[key]
-        if not info.shape:
-            with self._open(info.file, framework="pt") as f:
-                out.copy_(f.get_tensor(key))
-            self._count(info, 1)
-            return
-        stop = info.shape[0] if stop is None else stop
-        row_bytes = math.prod(info.shape[1:]) * _ITEMSIZE.get(info.dtype, 8)
-        step = max(1, self.chunk_bytes // max(row_bytes, 1)) if info.dtype in _ITEMSIZE else 1
-        for a in range(start, stop, step):
-            b = min(stop, a + step)
-            self._copy_chunk(info, key, a, b, out[a - start : b - start])
-
-    def _copy_chunk(self, info: _TensorInfo, key: str, a: int, b: int, out: torch.Tensor) -> None:
-        # A fresh open per chunk: the view and the handle are the last references to the file's
-        # mapping, so the pages this read touched (resident while mapped) are released on return.
-        # Re-opening costs a header parse (about 1 ms per thousand keys), nothing next to the read.
-        with self._open(info.file, framework="pt") as f:
-            view = f.get_slice(key)[a:b]
-            out.copy_(view)
-            del view
-        self._count(info, (b - a) * math.prod(info.shape[1:]))
-
-    def _count(self, info: _TensorInfo, elements: int) -> None:
-        self.bytes_read += elements * _ITEMSIZE.get(info.dtype, 0)
-        self.files_read.add(info.file.name)
-
-    def read(self, key: str, rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """A fresh tensor (checkpoint dtype) holding the row ranges ``rows`` (dim 0, concatenated) or all."""
-        info = self.infos[key]
-        shape = list(info.shape)
-        if rows is not None:
-            shape[0] = sum(b - a for a, b in rows)
-        out = torch.empty(shape, dtype=_torch_dtype(info.dtype))
-        if rows is None:
-            self.copy_into(key, out)
-            return out
-        at = 0
-        for a, b in rows:
-            self.copy_into(key, out[at : at + b - a], a, b)
-            at += b - a
-        return out
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    table = {
-        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-        "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-        "F8_E5M2": getattr(torch, "float8_e5m2", None),
-    }  # fmt: skip
-    if table.get(name) is None:
-        raise CheckpointKeyError(f"checkpoint dtype {name} is not supported by the expert-parallel loader")
-    return table[name]
-
-
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        files = sorted({model_dir / name for name in weight_map.values()})
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise CheckpointKeyError(f"{index} names shard files that do not exist: {', '.join(absent)}")
-        return files
-    single = model_dir / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise CheckpointKeyError(
-        f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}; the expert-parallel loader reads safetensors checkpoints"
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# mapping checkpoint keys to module tensors
-
-
-@dataclass(frozen=True)
-class _ExpertSlice:
-    """An expert parameter of an installed holder: this rank's experts (global ids, ascending) of ``num_experts``."""
-
-    experts: tuple[int, ...]
-    num_experts: int
-
-    @property
-    def count(self) -> int:
-        return len(self.experts)
-
-    @property
-    def rows(self) -> list[tuple[int, int]]:
-        """The local experts as ranges ``[a, b)`` of consecutive global rows, in local row order."""
-        ranges: list[tuple[int, int]] = []
-        for e in self.experts:
-            if ranges and ranges[-1][1] == e:
-                ranges[-1] = (ranges[-1][0], e + 1)
-            else:
-                ranges.append((e, e + 1))
-        return ranges
-
-
-@dataclass
-class _Unit:
-    """What fills one or more module tensors: one checkpoint key, or one transformers converter."""
-
-    targets: list[str]
-    key: str | None = None  # plain (possibly renamed) tensor
-    converter: object | None = None  # transformers WeightConverter
-    sources: dict[str, list[tuple[int | None, str]]] = field(default_factory=dict)  # pattern -> (expert, key)
-
-
-def _expert_slices(model: nn.Module) -> dict[str, _ExpertSlice]:
-    """Every per-expert parameter of the installed (expert-parallel) holders, by full name."""
-    out = {}
-    for path, module in model.named_modules():
-        binding = getattr(module, "hp_expert_parallel", None)
-        if binding is None:
-            continue
-        placement = binding.placement
-        for name in module.hp_layout.weight_names:
-            full = f"{path}.{name}" if path else name
-            out[full] = _ExpertSlice(placement.local_experts, placement.num_experts)
-    return out
-
-
-def _index_regex(source_pattern: str) -> re.Pattern[str] | None:
-    """The expert index in a per-expert key: the ``*`` of a converter source pattern (``experts.*.w1``)."""
-    if "*" not in source_pattern:
-        return None
-    return re.compile(source_pattern.removeprefix("^").replace("*.", r"(\d+)\.").replace("*", r"(\d+)"))
-
-
-def _map_keys(model: nn.Module, reader: _Reader, transforms: list) -> tuple[dict[str, _Unit], list[str]]:
-    """Group checkpoint keys into load units (by first target name); also the unexpected keys."""
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        apply_renamings,
-        rename_source_key,
-    )
-
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
-    meta = model.state_dict(keep_vars=True)
-    prefix = model.base_model_prefix
-    units: dict[str, _Unit] = {}
-    unexpected: list[str] = []
-    for key in sorted(reader.infos, key=_natural):
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
-        if renamed not in meta and key in meta:  # as transformers: a key that should not have been renamed
-            renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
-        if renamed not in meta:
-            unexpected.append(key)
-            continue
-        if pattern is None:
-            if renamed in units:
-                other = units[renamed].key or next(iter(units[renamed].sources.values()))[0][1]
-                raise CheckpointKeyError(f"{key} and {other} both map to {renamed}")
-            units[renamed] = _Unit([renamed], key=key)
-            continue
-        converter = by_pattern[pattern]
-        unit = units.get(renamed)
-        if unit is None:
-            first = converter.target_patterns[0]
-            targets = [
-                renamed.replace(first, t) if first in renamed else renamed for t in converter.target_patterns
-            ]
-            unit = units[renamed] = _Unit(targets, converter=converter)
-        elif unit.converter is not converter:
-            raise CheckpointKeyError(
-                f"{key} maps to {renamed}, which another checkpoint tensor fills already"
-            )
-        regex = _index_regex(pattern)
-        index = None
-        if regex is not None:
-            found = regex.search(apply_renamings(key, renamings))
-            index = int(found.group(1)) if found else None
-        unit.sources.setdefault(pattern, []).append((index, key))
-    return units, unexpected
-
-
-def _natural(key: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
+__all__ = ["CHUNK_BYTES", "CheckpointKeyError", "PreparedLoad", "load_expert_parallel", "prepare"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,20 +72,16 @@ def _op_dims(op) -> list[int]:
 
 
 def _is_merge(op) -> bool:
-    from transformers.core_model_loading import MergeModulelist
-
-    return isinstance(op, MergeModulelist) and op.dim == 0
+    return isinstance(op, core_model_loading().MergeModulelist) and op.dim == 0
 
 
 def _is_concat(op) -> bool:
-    from transformers.core_model_loading import Concatenate
-
-    return isinstance(op, Concatenate) and op.dim >= 1
+    return isinstance(op, core_model_loading().Concatenate) and op.dim >= 1
 
 
 class _Filler:
     def __init__(
-        self, model: nn.Module, reader: _Reader, experts: dict[str, _ExpertSlice], dtypes: Callable
+        self, model: nn.Module, reader: Reader, experts: dict[str, ExpertSlice], dtypes: Callable
     ) -> None:
         self.model, self.reader, self.experts, self.dtype_for = model, reader, experts, dtypes
         self.meta = model.state_dict(keep_vars=True)
@@ -315,14 +90,14 @@ class _Filler:
     def empty(self, name: str) -> torch.Tensor:
         return torch.empty(self.meta[name].shape, dtype=self.dtype_for(name))
 
-    def fill(self, unit: _Unit) -> dict[str, torch.Tensor]:
+    def fill(self, unit: LoadUnit) -> dict[str, torch.Tensor]:
         if unit.key is not None:
             self.paths["tensor"] += 1
             return {unit.targets[0]: self._plain(unit.targets[0], unit.key)}
         ops = list(unit.converter.operations)
         patterns = unit.converter.source_patterns
-        per_expert = any(_index_regex(p) is not None for p in unit.sources)
-        if per_expert and len(unit.targets) == 1 and all(_index_regex(p) for p in patterns):
+        per_expert = any(index_regex(p) is not None for p in unit.sources)
+        if per_expert and len(unit.targets) == 1 and all(index_regex(p) for p in patterns):
             if len(ops) == 1 and len(patterns) == 1 and _is_merge(ops[0]):
                 self.paths["merged_experts"] += 1
                 return {unit.targets[0]: self._merge(unit, None)}
@@ -358,7 +133,7 @@ class _Filler:
             at += b - a
         return out
 
-    def _local(self, unit: _Unit, name: str) -> dict[str, list[tuple[int, str]]]:
+    def _local(self, unit: LoadUnit, name: str) -> dict[str, list[tuple[int, str]]]:
         """Per source pattern, the (index, key) of the experts to read, in expert order, checked complete."""
         sl = self.experts.get(name)
         out = {}
@@ -382,7 +157,7 @@ class _Filler:
             out[pattern] = sorted((i, k) for i, k in items if i in keep)
         return out
 
-    def _merge(self, unit: _Unit, cat_dim: int | None) -> torch.Tensor:
+    def _merge(self, unit: LoadUnit, cat_dim: int | None) -> torch.Tensor:
         """``MergeModulelist(0)`` [+ ``Concatenate(d)``] written straight into the (local) parameter."""
         name = unit.targets[0]
         local = self._local(unit, name)
@@ -418,7 +193,7 @@ class _Filler:
                 f"checkpoint tensor {key} {list(shape)} does not fit {name} (per-expert slot {list(slot.shape)})"
             )
 
-    def _convert(self, unit: _Unit, per_expert: bool) -> dict[str, torch.Tensor]:
+    def _convert(self, unit: LoadUnit, per_expert: bool) -> dict[str, torch.Tensor]:
         """Run transformers' converter on lazily read tensors (only the local experts' for expert targets)."""
         name = unit.targets[0]
         conv = copy.deepcopy(unit.converter)
@@ -477,7 +252,7 @@ class _Filler:
         return out
 
 
-def _lazy(reader: _Reader, key: str, rows: list[tuple[int, int]] | None) -> Callable[[], torch.Tensor]:
+def _lazy(reader: Reader, key: str, rows: list[tuple[int, int]] | None) -> Callable[[], torch.Tensor]:
     return lambda: reader.read(key, rows)
 
 
@@ -499,24 +274,13 @@ def _ranges(values: list[int]) -> str:
 # the model
 
 
-def _meta_model(config, dtype: torch.dtype) -> nn.Module:
-    from .tiny import auto_class_for
-
-    cls = auto_class_for(config)
-    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
-    with torch.device("meta"), quiet_transformers():
-        return build(config, attn_implementation="eager", dtype=dtype)
-
-
 def _dtype_rule(model: nn.Module, dtype: torch.dtype) -> Callable[[str], torch.dtype]:
     """The dtype of each tensor as ``from_pretrained`` picks it: ``keep_in_fp32`` plan, else the built one."""
-    from transformers.core_model_loading import build_glob_alternation
-
     meta = model.state_dict(keep_vars=True)
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     alt = by_group = None
     if plan:
-        alt, by_group, _ = build_glob_alternation(list(plan.keys()))
+        alt, by_group, _ = core_model_loading().build_glob_alternation(list(plan.keys()))
 
     def rule(name: str) -> torch.dtype:
         if alt is not None and (m := alt.search(name)) is not None and meta[name].is_floating_point():
@@ -550,7 +314,7 @@ def _set(
 
 
 def _check_keys(
-    model: nn.Module, units: dict[str, _Unit], unexpected: list[str], model_dir: Path
+    model: nn.Module, units: dict[str, LoadUnit], unexpected: list[str], model_dir: Path
 ) -> set[str]:
     """Raise on missing or unexpected keys (transformers' ignore rules apply); returns the allowed missing."""
     produced = {t for u in units.values() for t in u.targets}
@@ -566,7 +330,7 @@ def _check_keys(
             tied_ok.add(target)
         elif source in info.missing_keys and target not in info.missing_keys:
             tied_ok.add(source)  # tie_weights ties the present one to the missing one
-    real_missing = sorted(info.missing_keys - tied_ok, key=_natural)
+    real_missing = sorted(info.missing_keys - tied_ok, key=natural_key)
     if real_missing or info.unexpected_keys:
         parts = []
         if real_missing:
@@ -574,7 +338,7 @@ def _check_keys(
                 f"{len(real_missing)} missing (the model has them, the checkpoint does not): {_list(real_missing)}"
             )
         if info.unexpected_keys:
-            extra = sorted(info.unexpected_keys, key=_natural)
+            extra = sorted(info.unexpected_keys, key=natural_key)
             parts.append(f"{len(extra)} unexpected (in the checkpoint, not in the model): {_list(extra)}")
         raise CheckpointKeyError(f"{model_dir} does not fit {type(model).__name__}: " + "; ".join(parts))
     return missing  # ignored or tied: initialised or tied below
@@ -643,19 +407,19 @@ class PreparedLoad:
     what maps the checkpoint onto it: the state between :func:`prepare` and filling the tensors."""
 
     model: nn.Module
-    reader: _Reader
+    reader: Reader
     filler: _Filler
-    units: dict[str, _Unit]
+    units: dict[str, LoadUnit]
     allowed_missing: set[str]
     transforms: list
-    experts: dict[str, _ExpertSlice]
+    experts: dict[str, ExpertSlice]
     patched: list[str]
     ep: ExpertParallelGroup
     timings: dict[str, float]
     started: float
 
-    def ordered_units(self) -> list[_Unit]:
-        return sorted(self.units.values(), key=lambda u: _natural(u.targets[0]))
+    def ordered_units(self) -> list[LoadUnit]:
+        return sorted(self.units.values(), key=lambda u: natural_key(u.targets[0]))
 
     def report(self) -> dict:
         expert_bytes, other_bytes = _bytes(self.model, self.experts)
@@ -677,42 +441,33 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
             chunk_bytes: int = CHUNK_BYTES) -> PreparedLoad:
     """Build on meta, find or write the artifact (rank 0 first), install the plan, map the checkpoint's
     keys: everything :func:`load_expert_parallel` does before it reads a tensor."""
-    import torch.distributed as dist
-    from transformers import AutoConfig
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    from .. import rewrite
+    from ..match import generate
+    from . import install
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise CheckpointKeyError(f"{model_dir}: no config.json; pass a transformers checkpoint directory")
-    reader = _Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
+    reader = Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
     with quiet_transformers():
-        config = AutoConfig.from_pretrained(model_dir)
+        config = auto_config(model_dir)
     t0 = time.perf_counter()
-    model = _meta_model(config, dtype)
+    model = meta_model(config, dtype)
     timings["build_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 finds or writes the artifact first; the others reuse it, no analysis
-        artifact = rewrite.ensure_artifact(model, plan, config, Path(artifact_dir))
-    else:
-        artifact = rewrite.ensure_artifact(model, plan, config, Path(artifact_dir))
-        if distributed:
-            dist.barrier()
+    # rank 0 finds or writes the artifact first; the others reuse it, no analysis
+    artifact = rank0_first(lambda: generate.ensure_artifact(model, plan, config, Path(artifact_dir)))
     _release_freed_memory()  # the analysis ran random-weight copies of whole blocks: give that back first
     timings["analyze_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    patched = rewrite.install(model, artifact, plan, ep, shard=True)  # on meta: local shapes, no storage
-    experts = _expert_slices(model)
+    patched = install.install(model, artifact, plan, ep, shard=True)  # on meta: local shapes, no storage
+    experts = expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
-    transforms = get_model_conversion_mapping(model)
-    units, unexpected = _map_keys(model, reader, transforms)
+    transforms = model_conversion_mapping(model)
+    units, unexpected = map_keys(model, reader, transforms)
     allowed_missing = _check_keys(model, units, unexpected, model_dir)
     filler = _Filler(model, reader, experts, _dtype_rule(model, dtype))
     return PreparedLoad(model, reader, filler, units, allowed_missing, transforms, experts, patched, ep,
@@ -738,7 +493,7 @@ def _finish(model: nn.Module, new_for: dict[int, torch.Tensor], allowed_missing:
     left = [name for name, module, attr, _, _ in _tensor_slots(model) if getattr(module, attr).is_meta]
     if left:
         raise CheckpointKeyError(
-            f"not filled by the checkpoint nor initialised: {_list(sorted(set(left), key=_natural))}"
+            f"not filled by the checkpoint nor initialised: {_list(sorted(set(left), key=natural_key))}"
         )
 
 
@@ -758,7 +513,7 @@ def _release_freed_memory() -> None:
             ctypes.CDLL(libc).malloc_trim(0)
 
 
-def _bytes(model: nn.Module, experts: dict[str, _ExpertSlice]) -> tuple[int, int]:
+def _bytes(model: nn.Module, experts: dict[str, ExpertSlice]) -> tuple[int, int]:
     seen: set[int] = set()
     expert = other = 0
     for name, module, attr, _, _ in _tensor_slots(model):

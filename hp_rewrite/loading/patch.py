@@ -23,9 +23,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..hf import pretrained_model, pretrained_model_class
 from ..plan import Plan, load_plan
-from ..runtime import ExpertParallelError, ExpertParallelGroup, build_expert_parallel_group
+from ..runtime import (
+    ExchangeRuntime,
+    ExpertParallelError,
+    ExpertParallelGroup,
+    build_expert_parallel_group,
+    exchange_runtimes,
+)
 from ..runtime.engines import EngineGuard, install_engine_guard
+from .rank0 import rank0_first
 
 PLAN_ENV = "HP_REWRITE_PLAN"
 DEFAULT_ARTIFACT_DIR = Path.home() / ".cache" / "hp-rewrite"
@@ -42,6 +50,7 @@ class RewriteInfo:
     load_report: dict | None = None  # set when only local experts were read (loading.local)
     engine: EngineGuard | None = None  # DDP contract and refusals (runtime.engines)
     fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
+    runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -67,21 +76,15 @@ def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None) -> Exp
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
                   artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> nn.Module:
     """Make a loaded model expert-parallel in place (generate on rank 0, install everywhere)."""
-    from ..rewrite import ensure_artifact, install
+    from ..match.generate import ensure_artifact
+    from .install import install
 
     if getattr(model, "hp_rewrite", None) is not None:
         return model
     refuse_wrapped(model)
     ep = ep or expert_parallel_group_for(plan, mesh)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 finds or writes the artifact; the others then reuse it
-        artifact = ensure_artifact(model, plan, model.config, out)
-    else:
-        artifact = ensure_artifact(model, plan, model.config, out)
-        if distributed:
-            dist.barrier()
+    artifact = rank0_first(lambda: ensure_artifact(model, plan, model.config, out))
     patched = install(model, artifact, plan, ep, shard=True)
     return attach(model, RewriteInfo(plan, ep, artifact.directory, patched))
 
@@ -105,6 +108,7 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     from .save import load_full_checkpoints, refuse_partial_adapter_state
 
     info.engine = install_engine_guard(model, info.ep)
+    info.runtime = next(iter(exchange_runtimes(model)), None)
     load_full_checkpoints(model)
     refuse_partial_adapter_state(model)
     model.hp_rewrite = info
@@ -178,11 +182,9 @@ class AutoPatch:
     """Handle of an installed auto-patch; also a context manager that removes it on exit."""
 
     def __init__(self, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> None:
-        from transformers import PreTrainedModel
-
         self.plan, self.artifact_dir, self.mesh = plan, artifact_dir, mesh
-        self._owner = PreTrainedModel
-        self._original = PreTrainedModel.__dict__["from_pretrained"]
+        self._owner = pretrained_model_class()  # every model class's from_pretrained ends in its
+        self._original = self._owner.__dict__["from_pretrained"]
         original_fn = self._original.__func__
         patch = self
 
@@ -234,15 +236,9 @@ def auto_patch(plan: str | os.PathLike | Plan | None = None, artifact_dir: Path 
 def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan | None = None,
                     artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, **kwargs) -> nn.Module:
     """Load a checkpoint and return it rewritten (one call, no global patch left behind)."""
-    from transformers import AutoConfig
-
-    from .tiny import auto_class_for
-
     plan = resolve_plan(plan)
     if _local_checkpoint((model_dir,), kwargs):  # only this rank's experts are ever read
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         return load_local_experts(model_dir, plan, dtype, artifact_dir, mesh)
-    config = AutoConfig.from_pretrained(model_dir)
-    kwargs.setdefault("attn_implementation", "eager")
-    model = auto_class_for(config).from_pretrained(model_dir, **kwargs)
+    model = pretrained_model(model_dir, **kwargs)  # eager attention unless kwargs say otherwise
     return rewrite_model(model, plan, artifact_dir=artifact_dir, mesh=mesh)

@@ -1,9 +1,11 @@
 """Choose an archetype for each MoE block and confirm it by execution.
 
-For a block the candidates are tried in order: block-level (the whole forward generated from
-``archetypes/block_routed.py``), then experts-level (only the experts call, from
-``archetypes/experts_routed.py``). A candidate is accepted only if, at EP=1 on a materialised copy
-with random weights, the generated code reproduces the original module's output on a random probe
+For a block the candidates are tried in order: the archetypes the plan's ``extensions:`` registered
+(:mod:`hp_rewrite.match.registry`), then the built-in block-level one (the whole forward generated
+from ``archetypes/block_routed.py``), then experts-level (only the experts call, from
+``archetypes/experts_routed.py``). A candidate is considered when its structural predicate holds,
+with the parameters its ``derive`` function proposes, and accepted only if, at EP=1 on a materialised
+copy with random weights, the generated code reproduces the original module's output on a random probe
 (fp32, relative error <= 1e-5). Otherwise the next candidate is tried, and a block no candidate
 reproduces is reported unmatched with the reason.
 
@@ -16,13 +18,17 @@ from __future__ import annotations
 
 import copy
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..codegen.specialize import specialize
+from ..archetypes import block_routed, experts_routed, input_scaled
+from ..codegen.specialize import specialize, split_params
 from ..runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, softmax_topk
+from .registry import ArchetypeSpec, Probe, register_archetype
 from .structure import BlockStructure, experts_layout
 
 PROBE_TOL = 1e-5
@@ -31,18 +37,35 @@ _RUNTIME_NAMESPACE = "hp"
 
 @dataclass(frozen=True)
 class Archetype:
-    """router: softmax_topk | sigmoid_group | topk_router_module (block level) or model (experts level);
-    shared: none | additive | gated | scaled (block level) or model; layout: the experts weight layout."""
+    """A confirmed archetype. router: softmax_topk | sigmoid_group | topk_router_module (block level), model
+    (experts level) or extension; shared: none | additive | gated | scaled, model or extension; layout: the
+    experts weight layout. ``spec`` and ``params`` generate the code (:meth:`source`)."""
 
     level: str
     router: str
     shared: str
     layout: str
-    names: dict = field(default_factory=dict)
-    constants: dict = field(default_factory=dict)
+    spec: ArchetypeSpec | None = field(default=None, compare=False, repr=False)
+    params: Any = None
 
     def as_dict(self) -> dict:
-        return {"level": self.level, "router": self.router, "shared": self.shared, "layout": self.layout}
+        d = {"level": self.level, "router": self.router, "shared": self.shared, "layout": self.layout}
+        if self.spec is not None and not self.spec.builtin:
+            d |= {"extension": self.spec.label, "sources_sha256": self.spec.sources_sha256()}
+        return d
+
+    @property
+    def names(self) -> dict[str, str]:
+        """Template attribute placeholder -> the block's attribute."""
+        return split_params(self.params)[0] if self.params is not None else {}
+
+    @property
+    def constants(self) -> dict[str, object]:
+        return split_params(self.params)[1] if self.params is not None else {}
+
+    def source(self, function_name: str) -> str:
+        """The generated forward, named ``function_name``."""
+        return specialize(self.spec.template, self.params, function_name, self.spec.function)
 
 
 @dataclass
@@ -232,16 +255,50 @@ def _sigmoid_group_constants(router: nn.Module) -> list[dict]:
     return [{**base, "MASKED_FILL": fill} for fill in (float("-inf"), 0.0)]
 
 
-_DEFAULT_CONSTANTS = {"TOP_K": 1, "RENORMALIZE": False, "SCALING": None, "WEIGHTS_DTYPE": "logits",
-                      "NUM_GROUPS": 1, "TOPK_GROUPS": 1, "MASKED_FILL": float("-inf"), "ROUTED_SCALE": 1.0}
+def _block_routed_params(s: BlockStructure, probe: Probe):
+    """The built-in block-level archetype's candidates, most specific first."""
+    names = {"ROUTER": s.router_name, "EXPERTS": s.experts_name, "SHARED": s.shared_name,
+             "SHARED_GATE": s.shared_gate_name}
+    for r_kind, s_mode, consts in _block_candidates(s, probe.block, probe.hidden, probe.forced, probe.recorded_router):
+        yield block_routed.Params(**names, **consts, ROUTER_KIND=r_kind, SHARED_MODE=s_mode,
+                                  RETURNS_ROUTER_WEIGHTS=probe.returns_router_weights)
+
+
+BLOCK_ROUTED = register_archetype(
+    "block_routed", template=block_routed, params=block_routed.Params, origin="hp_rewrite",
+    predicate=lambda s: s.router_name is not None and not s.others, derive=_block_routed_params,
+    describe=lambda p: (p.ROUTER_KIND, p.SHARED_MODE),
+)
+def _input_scaled_params(s: BlockStructure, probe: Probe):
+    """Candidates for a routing-free holder: the router module returns (scores, logits) and the block
+    scales the experts' input by the scores (Llama 4)."""
+    router = getattr(probe.block, s.router_name)
+    top_k = getattr(router, "top_k", None) or getattr(probe.block, "top_k", None)
+    if not isinstance(top_k, int):
+        return None
+    modes = ["none"] if s.shared_name is None else ["additive"]
+    return [input_scaled.Params(ROUTER=s.router_name, EXPERTS=s.experts_name, SHARED=s.shared_name, TOP_K=top_k,
+                                SHARED_MODE=mode, RETURNS_ROUTER_LOGITS=probe.returns_router_weights, FLAT_OUTPUT=flat)
+            for mode in modes for flat in (False, True)]
+
+
+INPUT_SCALED = register_archetype(
+    "input_scaled", template=input_scaled, params=input_scaled.Params, origin="hp_rewrite",
+    predicate=lambda s: s.routing_free and s.router_name is not None and s.shared_gate_name is None and not s.others,
+    derive=_input_scaled_params, describe=lambda p: ("input_scaled", p.SHARED_MODE),
+)
+EXPERTS_ROUTED = register_archetype(
+    "experts_routed", template=experts_routed, params=experts_routed.Params, origin="hp_rewrite", level="experts",
+    predicate=lambda s: True, derive=lambda s, probe: experts_routed.Params(), describe=lambda p: ("model", "model"),
+)
 
 
 def block_source(cls_name: str, arch: Archetype) -> str:
-    return specialize("block_routed", "forward", f"{cls_name}_forward", arch.names, arch.constants)
+    return arch.source(f"{cls_name}_forward")
 
 
 def experts_source(cls_name: str) -> str:
-    return specialize("experts_routed", "forward", f"{cls_name}_forward", {}, {})
+    return specialize(experts_routed, experts_routed.Params(), f"{cls_name}_forward")
 
 
 def _probe_inputs(s: BlockStructure) -> torch.Tensor:
@@ -265,17 +322,20 @@ def _experts_probe(s: BlockStructure):
 
 
 def _original_outputs(probe: nn.Module, s: BlockStructure, x: torch.Tensor, experts_in: tuple):
-    """The unmodified probe's experts output, and its block output or the exception the block raised."""
+    """The unmodified probe's experts output (None for a routing-free holder), and its block output or
+    the exception the block raised."""
     with torch.no_grad():
-        experts_ref = getattr(probe, s.experts_name)(*experts_in)
+        experts_ref = None if s.routing_free else getattr(probe, s.experts_name)(*experts_in)
         try:
             return experts_ref, probe(x)
         except Exception as e:  # noqa: BLE001 - reported; the experts level may still fit
             return experts_ref, e
 
 
-def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True) -> MatchResult:
-    """Pick and confirm an archetype for one block. ``forced`` holds plan choices (router, shared, level)."""
+def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True,
+                     extensions: Sequence[ArchetypeSpec] = ()) -> MatchResult:
+    """Pick and confirm an archetype for one block. ``forced`` holds plan choices (router, shared, level);
+    ``extensions`` the archetypes the plan's ``extensions:`` registered, tried before the built-in ones."""
     forced = forced or {}
     result = MatchResult(s, None)
     layout = layout_name(s.experts)
@@ -307,51 +367,85 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         result.tried.append(f"block forward(hidden) raised {type(ref).__name__}: {ref}")
         ref = None
     holder = _install_ep1(probe, s)
-    returns_weights = isinstance(ref, tuple)
     level = forced.get("level", "auto")
-    if level in ("auto", "block") and block_callable and s.router_name and not s.others:
-        hidden = x.reshape(-1, s.hidden_size)
-        for r_kind, s_mode, consts in _block_candidates(s, probe, hidden, forced, recorded_router):
-            names = {"ROUTER": s.router_name, "EXPERTS": s.experts_name}
-            if s.shared_name:
-                names["SHARED"] = s.shared_name
-            if s.shared_gate_name:
-                names["SHARED_GATE"] = s.shared_gate_name
-            constants = {**_DEFAULT_CONSTANTS, **consts, "ROUTER_KIND": r_kind, "SHARED_MODE": s_mode,
-                         "RETURNS_ROUTER_WEIGHTS": returns_weights}
-            arch = Archetype("block", r_kind, s_mode, layout, names, constants)
-            try:
-                fn = compile_function(block_source("probe", arch), "probe_forward")
-                with torch.no_grad():
-                    err = _rel(fn(probe, x), ref)
-            except Exception as e:  # noqa: BLE001
-                result.tried.append(f"block {r_kind}+{s_mode}: raised {type(e).__name__}: {e}")
-                continue
-            if err <= PROBE_TOL:
+    forced_block = [f"{k}: {forced[k]}" for k in ("router", "shared") if forced.get(k, "auto") != "auto"]
+    if level in ("auto", "block"):
+        ctx = Probe(probe, x.reshape(-1, s.hidden_size), forced, recorded_router, isinstance(ref, tuple))
+        specs = [e for e in extensions if e.level == "block"] + [INPUT_SCALED if s.routing_free else BLOCK_ROUTED]
+        for spec in specs:
+            arch = _confirm_block(spec, s, ctx, x, ref, block_callable, layout, forced_block, result.tried)
+            if arch is not None:
                 result.archetype = arch
                 return result
-            result.tried.append(f"block {r_kind}+{s_mode}: output differs (rel err {err:.2e})")
-    elif level in ("auto", "block"):
-        why = ("no router child with weight [num_experts, hidden]" if not s.router_name
-               else f"children that fit no role: {', '.join(s.others)}" if s.others else "block not callable")
-        result.tried.append(f"block level: {why}")
-    forced_block = [f"{k}: {forced[k]}" for k in ("router", "shared") if forced.get(k, "auto") != "auto"]
     if level == "block" or forced_block:
         # an experts-level archetype keeps the model's own router and shared code, so it cannot
         # honour a plan that asks for a given router or shared merge: report instead of ignoring it
         asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
         result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
         return result
+    if s.routing_free:
+        result.tried.append(
+            f"experts level: {type(s.experts).__name__}.forward takes the hidden rows only (no top_k_index, "
+            "top_k_weights): the block applies the routing itself, so only a block-level archetype can drive it")
+        result.reason = "; ".join(result.tried)
+        return result
     holder.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), holder)
-    with torch.no_grad():
-        err = _rel(holder(*experts_in), experts_ref)
-        ok, why = err <= PROBE_TOL, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
-        if ok and block_callable:
-            err = _rel(probe(x), ref)  # the block's own forward, now calling the expert-parallel holder
-            ok, why = err <= PROBE_TOL, f"block output with expert-parallel experts differs (rel err {err:.2e})"
+    try:
+        with torch.no_grad():
+            err = _rel(holder(*experts_in), experts_ref)
+            ok, why = err <= PROBE_TOL, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
+            if ok and block_callable:
+                err = _rel(probe(x), ref)  # the block's own forward, now calling the expert-parallel holder
+                ok, why = err <= PROBE_TOL, f"block output with expert-parallel experts differs (rel err {err:.2e})"
+    except Exception as e:  # noqa: BLE001 - e.g. the block calls its experts under another contract
+        ok, why = False, f"experts level: raised {type(e).__name__}: {e}"
     if ok:
-        result.archetype = Archetype("experts", "model", "model", layout)
+        result.archetype = Archetype("experts", "model", "model", layout, EXPERTS_ROUTED, experts_routed.Params())
         return result
     result.tried.append(why)
     result.reason = "; ".join(result.tried)
     return result
+
+
+def _confirm_block(spec: ArchetypeSpec, s: BlockStructure, ctx: Probe, x: torch.Tensor, ref, block_callable: bool,
+                   layout: str, forced_block: list[str], tried: list[str]) -> Archetype | None:
+    """The first of ``spec``'s candidates whose generated forward reproduces ``ref``, else None (``tried``
+    says why)."""
+    if not spec.builtin:
+        if forced_block:
+            tried.append(f"extension {spec.label}: not tried, the plan forces {', '.join(forced_block)}")
+            return None
+        try:
+            fits = bool(spec.predicate(s))
+        except Exception as e:  # noqa: BLE001
+            tried.append(f"extension {spec.label}: predicate raised {type(e).__name__}: {e}")
+            return None
+        if not fits or not block_callable:
+            tried.append(f"extension {spec.label}: {'block not callable' if fits else 'predicate false'}")
+            return None
+    elif not (block_callable and spec.predicate(s)):
+        why = ("no router child with weight [num_experts, hidden]" if not s.router_name
+               else "a shared-expert gate, which input-scaled routing does not merge" if s.shared_gate_name and s.routing_free
+               else f"children that fit no role: {', '.join(s.others)}" if s.others else "block not callable")
+        tried.append(f"block level: {why}")
+        return None
+    try:
+        candidates = spec.candidates(s, ctx)
+    except Exception as e:  # noqa: BLE001
+        tried.append(f"extension {spec.label}: derive raised {type(e).__name__}: {e}")
+        return None
+    for params in candidates:
+        router, shared = spec.labels(params)
+        arch = Archetype("block", router, shared, layout, spec, params)
+        what = f"block {router}+{shared}" if spec.builtin else f"extension {spec.label}"
+        try:
+            fn = compile_function(arch.source("probe_forward"), "probe_forward")
+            with torch.no_grad():
+                err = _rel(fn(ctx.block, x), ref)
+        except Exception as e:  # noqa: BLE001
+            tried.append(f"{what}: raised {type(e).__name__}: {e}")
+            continue
+        if err <= PROBE_TOL:
+            return arch
+        tried.append(f"{what}: output differs (rel err {err:.2e})")
+    return None

@@ -2,7 +2,8 @@
 
 Nothing here looks at model names or reads transformers source text. An *experts holder* is a module
 with an integer ``num_experts`` and per-expert weights (dim 0 = experts) in a layout the runtime
-knows, whose forward takes ``(hidden, top_k_index, top_k_weights)``. Its parent is the candidate
+knows, whose forward takes ``(hidden, top_k_index, top_k_weights)``, or only ``hidden`` (a
+routing-free holder: the block applies the routing, so only a block-level archetype can drive it). Its parent is the candidate
 *block*; the block's other children are classified by their parameter shapes.
 """
 
@@ -30,6 +31,7 @@ class BlockStructure:
     shared_name: str | None = None
     shared_gate_name: str | None = None
     others: list[str] = field(default_factory=list)  # children that fit no role (norms, projections...)
+    routing_free: bool = False  # the holder's forward takes no routing (see routing_free())
 
     @property
     def experts_path(self) -> str:
@@ -44,7 +46,9 @@ def _forward_params(module: nn.Module) -> list[inspect.Parameter]:
 
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
-    """The layout if ``module`` is an experts holder following the transformers contract, else None."""
+    """The layout if ``module`` is an experts holder, else None: ``num_experts``, per-expert weights in
+    a layout the runtime knows, and a forward that takes the routing (:func:`takes_routing`) or only
+    the hidden rows (:func:`routing_free`; driven by a block-level archetype only)."""
     n = getattr(module, "num_experts", None)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return None
@@ -55,11 +59,28 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     weights = [getattr(module, name) for name in layout.weight_names]
     if not all(w.dim() >= 2 and w.shape[0] == n for w in weights):
         return None
-    params = _forward_params(module)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+    if not takes_routing(module) and not routing_free(module):
         return None
     return layout
+
+
+def _positional(module: nn.Module) -> tuple[int, bool]:
+    params = _forward_params(module)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional), any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def takes_routing(module: nn.Module) -> bool:
+    """Its forward takes ``(hidden, top_k_index, top_k_weights)`` (three positionals or ``*args``)."""
+    n, varargs = _positional(module)
+    return n >= 3 or varargs
+
+
+def routing_free(module: nn.Module) -> bool:
+    """Its forward takes the hidden rows only (``forward(hidden)``, e.g. Llama 4's experts): the block
+    applies the routing outside it, so only a block-level archetype can drive it."""
+    n, varargs = _positional(module)
+    return n == 1 and not varargs
 
 
 def _hidden_size(experts: nn.Module, layout: ExpertsLayout) -> int:
@@ -84,7 +105,8 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
     experts = getattr(block, experts_name)
     layout = experts_layout(experts)
     assert layout is not None
-    s = BlockStructure(path, block, experts_name, experts, experts.num_experts, _hidden_size(experts, layout))
+    s = BlockStructure(path, block, experts_name, experts, experts.num_experts, _hidden_size(experts, layout),
+                       routing_free=not takes_routing(experts))
     for name, child in block.named_children():
         if name == experts_name:
             continue
@@ -99,9 +121,70 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
     return s
 
 
-def find_experts_holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every experts holder in ``model``, with its module path."""
-    return [(name, m) for name, m in model.named_modules() if experts_layout(m) is not None]
+def expert_count(module: nn.Module, name: str = "") -> int:
+    """How many experts ``module`` holds, judged by structure in any layout; 0 when it holds none.
+
+    An experts holder that follows the contract (:func:`experts_layout`) holds ``num_experts``.
+    Otherwise: a ModuleList / ModuleDict named ``*expert*`` (``name`` is its path) of at least two
+    same-typed modules with weights, or a module (not a torch.nn built-in such as Conv1d) with direct
+    3-D floating weights sharing a leading dimension of at least 2 (two or more of them, or one in a
+    module or class named ``*expert*``; a declared ``num_experts`` among the leading sizes wins), or a
+    module taking the routing contract that keeps its experts flat in a child (:func:`_flat_expert_count`).
+    """
+    if experts_layout(module) is not None:
+        return module.num_experts
+    leaf = name.rsplit(".", 1)[-1].lower()
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # per-expert modules: the children that have weights, all of one type (dropouts etc. aside)
+        weighted = [c for c in module.children() if any(True for _ in c.parameters())]
+        if "expert" in leaf and len(weighted) >= 2 and len({type(c) for c in weighted}) == 1:
+            return len(weighted)
+        return 0
+    if type(module).__module__.startswith("torch.nn"):
+        return 0  # Conv1d and friends
+    flat = _flat_expert_count(module)
+    if flat:
+        return flat
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+    leading = {p.shape[0] for p in stacked}
+    if not stacked or min(leading) < 2:
+        return 0
+    if len(stacked) < 2 and "expert" not in type(module).__name__.lower() and "expert" not in leaf:
+        return 0  # a lone 3-D tensor (a position table, a custom convolution) is not an experts holder
+    declared = getattr(module, "num_experts", None)
+    # zero-expert layouts hold more gate/up rows than down rows: the declared count wins
+    return declared if isinstance(declared, int) and declared in leading else min(leading)
+
+
+def _flat_expert_count(module: nn.Module) -> int:
+    """``num_experts`` of a holder that takes the routing contract ``(hidden, top_k_index,
+    top_k_weights)`` and declares ``num_experts >= 2`` but keeps its expert weights flat in a child
+    (2-D ``[num_experts * width, hidden]``, e.g. DBRX's ``mlp.w1/v1/w2``); else 0."""
+    n = getattr(module, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        return 0
+    if not takes_routing(module):
+        return 0
+    weights = [p for _, p in module.named_parameters() if p.is_floating_point()]
+    if len(weights) < 2 or any(p.dim() != 2 or p.shape[0] % n or p.shape[0] == n for p in weights):
+        return 0
+    return n
+
+
+def find_experts_holders(model: nn.Module, any_layout: bool = False) -> list[tuple[str, nn.Module]]:
+    """Every experts holder in ``model``, with its module path: those that follow the experts contract
+    (:func:`experts_layout`; what hp-rewrite rewrites), or with ``any_layout`` every module that holds
+    experts by structure (:func:`expert_count`: also per-expert module lists and 3-D weights outside
+    the contract), holders nested in another one left out."""
+    if not any_layout:
+        return [(name, m) for name, m in model.named_modules() if experts_layout(m) is not None]
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(h + ".") for h, _ in found):
+            continue
+        if expert_count(module, name):
+            found.append((name, module))
+    return found
 
 
 def find_blocks(model: nn.Module) -> list[BlockStructure]:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..errors import UserError
+
 if TYPE_CHECKING:
     from hp_rewrite.runtime import RuntimeOptions
 
@@ -25,7 +27,7 @@ PLAN_VERSION = 1
 RouterKind = Literal["auto", "softmax_topk", "sigmoid_group", "topk_router_module"]
 SharedKind = Literal["auto", "none", "additive", "gated", "scaled"]
 LevelKind = Literal["auto", "block", "experts"]
-ComputeKind = Literal["auto", "grouped", "eager"]
+ComputeKind = Literal["auto", "grouped", "eager", "npu"]
 DropPolicy = Literal["probs", "position"]
 RouterDtype = Literal["auto", "fp32", "logits"]
 PlacementStrategy = Literal["contiguous", "balanced"]
@@ -45,7 +47,7 @@ class Problem:
         return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan that cannot be used. ``problems`` lists every fault found, ordered by line."""
 
     def __init__(self, problems: list[Problem] | tuple[Problem, ...]) -> None:

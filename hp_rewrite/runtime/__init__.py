@@ -6,13 +6,16 @@ Everything here is typed and takes its settings as arguments; nothing reads the 
 """
 
 from .capacity import CapacityResult, apply_capacity, expert_capacity
-from .comm import PendingExchange, all_to_all, all_to_all_async
+from .comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
+from .context import ExchangeRuntime
 from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward
 from .errors import ExpertParallelError
+from .exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
 from .experts import (
     ExpertsLayout,
     LocalBatch,
     holder_of,
+    kernel_choice,
     local_experts_forward,
     resolve_compute,
     shard_experts,
@@ -25,7 +28,14 @@ from .gradients import (
     sync_gradients,
 )
 from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
-from .install import ExpertParallelBinding, binding_of, install_expert_parallel
+from .input_scaled import combine_input_scaled, dispatch_input_scaled
+from .install import (
+    ExpertParallelBinding,
+    binding_of,
+    exchange_runtimes,
+    expert_parallel_forward,
+    install_expert_parallel,
+)
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
@@ -33,7 +43,9 @@ from .turns import Interleaver, interleave
 
 __all__ = [
     "CapacityResult",
+    "DedupExchange",
     "DispatchStats",
+    "ExchangeRuntime",
     "ExpertParallelBinding",
     "ExpertParallelError",
     "ExpertParallelGroup",
@@ -41,21 +53,30 @@ __all__ = [
     "ExpertsLayout",
     "LocalBatch",
     "PendingExchange",
+    "PerSlotExchange",
     "RoutedDispatch",
     "RouterOutput",
     "RuntimeOptions",
     "SHARED_MODES",
+    "TokenExchange",
+    "WaitHooks",
     "all_to_all",
     "all_to_all_async",
     "apply_capacity",
     "binding_of",
     "build_expert_parallel_group",
     "call_router_module",
+    "combine_input_scaled",
     "dispatch",
+    "dispatch_input_scaled",
+    "exchange_for",
     "expert_capacity",
     "experts_and_combine",
+    "expert_parallel_forward",
+    "exchange_runtimes",
     "install_expert_parallel",
     "interleave",
+    "kernel_choice",
     "Interleaver",
     "local_experts_forward",
     "merge_shared",

@@ -5,20 +5,51 @@ an exchange is the reverse exchange (the split sizes swap), so gradients return 
 each row. Ranks that send or receive zero rows still take part in every collective, so the sequence of
 collectives is identical on every rank.
 
-Before every blocking wait or collective the runtime calls :func:`~.turns.give_turn`, so that
-micro-batches run by :class:`~.turns.Interleaver` compute while another one's exchange is in flight.
-With a :class:`~.deferred.WeightGradQueue` (``runtime.defer_expert_grads``), a wait on an exchange
-that has not arrived yet first runs queued expert weight-gradient jobs.
+What happens where an exchange blocks is passed in, as :class:`WaitHooks`: this module knows
+neither the turn scheduler nor the gradient queue. The runtime passes the micro-batch turn hand-off
+(:func:`~.turns.give_turn`, called before every blocking wait or collective, so micro-batches run by
+:class:`~.turns.Interleaver` compute while another one's exchange is in flight) and, with
+``runtime.defer_expert_grads``, a :class:`~.deferred.WeightGradQueue` whose jobs run while an exchange
+that has not arrived yet is awaited (see :mod:`.context`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from .deferred import WeightGradQueue
-from .turns import give_turn
+
+class WaitFiller(Protocol):
+    """Work to do while an exchange is awaited (a :class:`~.deferred.WeightGradQueue`)."""
+
+    def fill_wait(self, done: Callable[[], bool]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+def _stay() -> None:
+    """No scheduler: keep running."""
+
+
+@dataclass(frozen=True)
+class WaitHooks:
+    """What an exchange does where it blocks.
+
+    turn: called right before every blocking wait or collective (the micro-batch scheduler's hand-off).
+    filler: runs queued work while an exchange that has not arrived yet is awaited, and is cleared
+        when a backward exchange fails (its queued work belongs to a backward that will not finish).
+    """
+
+    turn: Callable[[], None] = _stay
+    filler: WaitFiller | None = None
+
+
+NO_HOOKS = WaitHooks()
 
 
 class ExchangeError(RuntimeError):
@@ -54,19 +85,19 @@ def _exchange(
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
+    def forward(ctx, x, out_splits, in_splits, group, hooks):  # type: ignore[override]
         ctx.splits = (out_splits, in_splits)
-        ctx.group = group
-        give_turn()
+        ctx.group, ctx.hooks = group, hooks
+        hooks.turn()
         out, _ = _exchange(x, out_splits, in_splits, group, async_op=False)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        give_turn()
+        ctx.hooks.turn()
         g, _ = _exchange(grad, in_splits, out_splits, ctx.group, async_op=False)
-        return g, None, None, None
+        return g, None, None, None, None
 
 
 class PendingExchange:
@@ -80,14 +111,14 @@ class PendingExchange:
         self.group: dist.ProcessGroup | None = None
         self.buffer: torch.Tensor | None = None
         self.link: _BackwardLink | None = None
-        self.fill: WeightGradQueue | None = None
+        self.hooks: WaitHooks = NO_HOOKS
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             assert self.buffer is not None
             if self.work is not None:
-                give_turn()
+                self.hooks.turn()
             self._result = _AllToAllWait.apply(self.buffer, self)
             self.buffer = None
         return self._result
@@ -103,9 +134,9 @@ class _BackwardLink:
     """
 
     def __init__(
-        self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, fill: WeightGradQueue | None
+        self, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, hooks: WaitHooks
     ) -> None:
-        self.out_splits, self.in_splits, self.group, self.fill = out_splits, in_splits, group, fill
+        self.out_splits, self.in_splits, self.group, self.hooks = out_splits, in_splits, group, hooks
         self.work: dist.Work | None = None
         self.received: torch.Tensor | None = None  # the reverse exchange's output while in flight
 
@@ -115,23 +146,24 @@ class _AllToAllStart(Function):
     def forward(ctx, x, out_splits, in_splits, group, pending):  # type: ignore[override]
         out, work = _exchange(x, out_splits, in_splits, group, async_op=True)
         pending.work, pending.group = work, group
-        pending.link = ctx.link = _BackwardLink(out_splits, in_splits, group, pending.fill)
+        pending.link = ctx.link = _BackwardLink(out_splits, in_splits, group, pending.hooks)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         link = ctx.link
-        give_turn()
+        link.hooks.turn()
         if link.received is None:  # Wait's backward did not run: exchange now
             received, _ = _exchange(grad, link.in_splits, link.out_splits, link.group, async_op=False)
             return received, None, None, None, None
-        if link.fill is not None:
-            link.fill.fill_wait(link.work.is_completed)
+        filler = link.hooks.filler
+        if filler is not None:
+            filler.fill_wait(link.work.is_completed)
         try:
             link.work.wait()
         except RuntimeError as e:
-            if link.fill is not None:
-                link.fill.clear()  # this backward will not finish: its queued gradients are void
+            if filler is not None:
+                filler.clear()  # this backward will not finish: its queued gradients are void
             raise _peer_failure(link.group, e) from e
         received, link.work, link.received = link.received, None, None
         return received, None, None, None, None
@@ -141,8 +173,8 @@ class _AllToAllWait(Function):
     @staticmethod
     def forward(ctx, buffer, pending):  # type: ignore[override]
         if pending.work is not None:
-            if pending.fill is not None:
-                pending.fill.fill_wait(pending.work.is_completed)
+            if pending.hooks.filler is not None:
+                pending.hooks.filler.fill_wait(pending.work.is_completed)
             try:
                 pending.work.wait()
             except RuntimeError as e:
@@ -165,12 +197,16 @@ class _Ready(PendingExchange):
 
 
 def all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    hooks: WaitHooks = NO_HOOKS,
 ) -> torch.Tensor:
     """Differentiable all-to-all of the rows of ``x`` (``in_splits[r]`` rows go to rank r)."""
     if group is None:
         return x
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, hooks)
 
 
 def all_to_all_async(
@@ -178,15 +214,15 @@ def all_to_all_async(
     out_splits: list[int],
     in_splits: list[int],
     group: dist.ProcessGroup | None,
-    fill: WeightGradQueue | None = None,
+    hooks: WaitHooks = NO_HOOKS,
 ) -> PendingExchange:
     """Start a differentiable all-to-all and return at once; ``.wait()`` at first use of the result.
 
-    ``fill``: queued expert weight-gradient jobs to run while this exchange (or its backward) is awaited."""
+    ``hooks``: what to do where this exchange (or its backward) blocks."""
     if group is None:
         return _Ready(x)
     pending = PendingExchange()
-    pending.fill = fill
+    pending.hooks = hooks
     pending.buffer = _AllToAllStart.apply(x, list(out_splits), list(in_splits), group, pending)
     return pending
 
@@ -197,16 +233,16 @@ def exchange(
     in_splits: list[int],
     group: dist.ProcessGroup | None,
     overlap: bool,
-    fill: WeightGradQueue | None = None,
+    hooks: WaitHooks = NO_HOOKS,
 ) -> PendingExchange:
     """The async exchange when ``overlap``, else the sync one wrapped as already completed."""
     if overlap:
-        return all_to_all_async(x, out_splits, in_splits, group, fill)
-    return _Ready(all_to_all(x, out_splits, in_splits, group))
+        return all_to_all_async(x, out_splits, in_splits, group, hooks)
+    return _Ready(all_to_all(x, out_splits, in_splits, group, hooks))
 
 
 def exchange_counts(
-    counts: torch.Tensor, group: dist.ProcessGroup | None, fill: WeightGradQueue | None = None
+    counts: torch.Tensor, group: dist.ProcessGroup | None, hooks: WaitHooks = NO_HOOKS
 ) -> torch.Tensor:
     """Exchange integer count rows (dim 0 = destination rank, equal splits). Not differentiable.
 
@@ -216,9 +252,9 @@ def exchange_counts(
     out = torch.empty_like(counts)
     try:
         work = dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
-        give_turn()
-        if fill is not None:
-            fill.fill_wait(work.is_completed)
+        hooks.turn()
+        if hooks.filler is not None:
+            hooks.filler.fill_wait(work.is_completed)
         work.wait()
     except RuntimeError as e:
         raise _peer_failure(group, e) from e

@@ -142,17 +142,42 @@ class DeferredGroupedMM(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
+def _check_grad(weight: nn.Parameter, grad: torch.Tensor) -> None:
+    if weight.grad is not grad:  # e.g. FSDP took .grad at its post-backward, before the jobs ran
+        raise ExpertParallelError(
+            "runtime.defer_expert_grads: an expert weight's .grad was taken or replaced during backward, "
+            "before its deferred gradient was complete (FSDP or another gradient hook on the experts?). "
+            "Set runtime.defer_expert_grads: false for that setup. (After a backward() that failed, drop "
+            "its jobs first: model.hp_rewrite.runtime.weight_grads.clear().)"
+        )
+
+
+def grouped_grad_sink(
+    queue: WeightGradQueue, weight: nn.Parameter, transposed: bool
+) -> Callable[[Callable[[], torch.Tensor]], None]:
+    """A kernel's ``defer`` hook: called in backward with the computation of the whole ``[E, in, out]``
+    weight gradient (one k-grouped GEMM), it queues one job that runs it and adds it into ``.grad``."""
+
+    def sink(compute: Callable[[], torch.Tensor]) -> None:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad
+
+        def run() -> None:
+            _check_grad(weight, grad)
+            dw = compute()  # [E, in, out]
+            grad.add_(dw if transposed else dw.transpose(1, 2))
+
+        queue.add([run])
+
+    return sink
+
+
 def _job(
     weight: nn.Parameter, grad: torch.Tensor, e: int, x_e: torch.Tensor, dy_e: torch.Tensor, transposed: bool
 ) -> Callable[[], None]:
     def run() -> None:
-        if weight.grad is not grad:  # e.g. FSDP took .grad at its post-backward, before the jobs ran
-            raise ExpertParallelError(
-                "runtime.defer_expert_grads: an expert weight's .grad was taken or replaced during backward, "
-                "before its deferred gradient was complete (FSDP or another gradient hook on the experts?). "
-                "Set runtime.defer_expert_grads: false for that setup. (After a backward() that failed, drop "
-                "its jobs first: model.hp_rewrite.ep.weight_grads.clear().)"
-            )
+        _check_grad(weight, grad)
         if transposed:  # stored [in, out]
             grad[e].addmm_(x_e.t(), dy_e)
         else:  # stored [out, in]

@@ -15,10 +15,11 @@ Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``
    transformers' ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
    exact.
 
-With ``options.dedup`` (the default, ep > 1) steps 4-6 move one row per (token, destination rank)
-instead of one per slot: the owning rank applies the weights and sums its experts' outputs per row,
-and the sender adds one partial sum per destination rank (see :mod:`.dedup`). The experts see the
-same rows in the same order either way; only the order of the weighted sum's additions differs.
+Steps 2 and 4-6 differ between the per-slot exchange and the deduplicated one (``options.dedup``,
+the default at ep > 1: one row per (token, destination rank), weighted and summed on the owning rank):
+each is a :class:`~.exchange.TokenExchange`, chosen once per layer (:func:`~.exchange.exchange_for`).
+What the exchanges do where they block (the micro-batch turn, deferred weight gradients) comes from
+the layer's :class:`~.context.ExchangeRuntime`.
 
 Two-phase use (the shared expert overlaps the in-flight dispatch)::
 
@@ -32,10 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from . import comm, dedup
+from . import comm
 from .capacity import apply_capacity, count_per_expert
+from .context import ExchangeRuntime
+from .deferred import WeightGradQueue
+from .exchange import Chunk, TokenExchange, exchange_for
 from .experts import LocalBatch, holder_of, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -63,17 +68,17 @@ class DispatchStats:
     bytes_received: int = 0
 
 
-@dataclass
-class _Chunk:
-    tokens: slice
-    rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped excluded; dedup: token ids
-    send_splits: list[int]
-    recv_splits: list[int]
-    local_counts: list[int]  # received rows per local expert, all sources
-    to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1 or dedup)
-    exchange: comm.PendingExchange | None = None
-    sent: dedup.SentRows | None = None  # the deduplicated rows (dedup only)
-    side_exchange: comm.PendingExchange | None = None  # dedup side tensor, when not packed with the rows
+@dataclass(frozen=True)
+class Link:
+    """Where one layer's exchanges go and what they do where they block (the hooks are passed in).
+
+    The exchanges start here, in this module's frames (``torch.compile`` breaks its graphs where it
+    always did); a :class:`~.exchange.TokenExchange` only says what to send."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    overlap: bool
+    hooks: comm.WaitHooks = comm.NO_HOOKS
 
 
 @dataclass
@@ -87,9 +92,12 @@ class RoutedDispatch:
     hidden_shape: torch.Size
     hidden_dtype: torch.dtype
     weights: torch.Tensor
-    chunks: list[_Chunk]
+    chunks: list[Chunk]
     stats: DispatchStats
     placement: ExpertPlacement
+    exchange: TokenExchange  # per slot or deduplicated: chosen once per layer
+    link: Link  # the EP group and what the exchanges do where they block
+    weight_grads: WeightGradQueue | None  # where expert weight gradients queue (defer_expert_grads)
     done: bool = field(default=False)
 
 
@@ -103,18 +111,6 @@ def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
     return bounds
 
 
-def _expert_major_positions(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
-    """For rows received in (source rank, local expert) order, their position in (expert, source) order."""
-    flat = recv_counts.reshape(-1)
-    src_major_end = flat.cumsum(0)
-    src_major_start = src_major_end - flat
-    em = recv_counts.t().reshape(-1)  # (expert, source) order
-    em_start = (em.cumsum(0) - em).view(recv_counts.shape[1], recv_counts.shape[0]).t().reshape(-1)
-    rows = torch.arange(total, device=recv_counts.device)
-    seg = torch.searchsorted(src_major_end, rows, right=True)
-    return em_start[seg] + rows - src_major_start[seg]
-
-
 def dispatch(
     hidden: torch.Tensor,
     indices: torch.Tensor,
@@ -125,17 +121,25 @@ def dispatch(
     options: RuntimeOptions | None = None,
     placement: ExpertPlacement | None = None,
     binding=None,
+    runtime: ExchangeRuntime | None = None,
 ) -> RoutedDispatch:
     """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids).
 
     ``binding``: an installed holder's :class:`~.install.ExpertParallelBinding` (``binding_of``),
-    which gives the other four (what generated code passes). ``placement`` (default: consecutive
-    experts per rank) must be the one the experts were sharded with.
+    which gives the others (what generated code passes). ``placement`` (default: consecutive
+    experts per rank) must be the one the experts were sharded with. ``runtime``: the deferred-gradient
+    queue and turn hook the exchanges get (default: the binding's, else one for this call only).
     """
+    exchange = None
     if binding is not None:
         num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
+        exchange, runtime = binding.exchange, runtime if runtime is not None else binding.runtime
     if num_experts is None or ep is None or options is None:
         raise TypeError("dispatch needs binding=, or num_experts=, ep= and options=")
+    if exchange is None:  # per slot or deduplicated: decided here once, not along the way
+        exchange = exchange_for(options.dedup, ep.size)
+    if runtime is None:
+        runtime = ExchangeRuntime()
     placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
     if (placement.num_experts, placement.ep_size) != (num_experts, ep.size):
         raise ValueError(
@@ -162,73 +166,42 @@ def dispatch(
     slot_of = None if placement.is_contiguous else placement.slot_table(indices.device)
     slots = indices if slot_of is None else slot_of[indices]  # sort by owner slot, not expert id
     bounds = _chunk_bounds(num_tokens, options.chunks)
-    use_dedup = options.dedup and ep.size > 1
-    orders, counts, plans = [], [], []
+    link = Link(ep.group, ep.size, options.overlap, runtime.hooks(options, ep.size))
+    counts, plans = [], []
     for b in bounds:
-        flat = slots[b].reshape(-1)
-        if use_dedup:
-            plans.append(dedup.plan_rows(slots[b], n_local, ep.size))
-        else:
-            orders.append(torch.sort(flat, stable=True).indices)
-        counts.append(count_per_expert(flat, num_experts))
+        plans.append(exchange.plan(slots[b], n_local, ep.size))
+        counts.append(count_per_expert(slots[b].reshape(-1), num_experts))
     counts_all = torch.stack(counts)  # [chunks, E]
-    per_dest = counts_all.view(len(bounds), ep.size, n_local)
-    if use_dedup:  # rows per destination are the tokens it gets, not the slots: one more count column
-        rows_per_dest = torch.stack([p.per_rank for p in plans])  # [chunks, ep]
-        cells = torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
-    else:
-        rows_per_dest, cells = per_dest.sum(-1), per_dest
-    fill = _weight_grads(ep, options)
-    recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), ep.group, fill)  # [src, chunks, cell]
+    rows_per_dest, cells = exchange.count_cells(counts_all.view(len(bounds), ep.size, n_local), plans)
+    recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
     # The one host sync of the layer: every split size of every chunk.
     host = torch.cat([rows_per_dest.reshape(-1), recv.reshape(-1)]).tolist()
     n_chunks, width = len(bounds), cells.shape[-1]
     send_host = host[: n_chunks * ep.size]
     recv_host = host[n_chunks * ep.size :]
 
-    row_bytes = hidden.shape[-1] * hidden.element_size()
+    row_bytes = hidden.shape[-1] * hidden.element_size() + exchange.side_bytes(top_k, weights.dtype)
     per_slot = counts_all.sum(0)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    if use_dedup:  # each row carries its weights and local ids
-        row_bytes += 2 * top_k * torch.finfo(dedup.side_dtype(weights.dtype)).bits // 8
     chunks = []
     for c, b in enumerate(bounds):
         send_splits = send_host[c * ep.size : (c + 1) * ep.size]
         recv_cells = [recv_host[(s * n_chunks + c) * width : (s * n_chunks + c + 1) * width] for s in range(ep.size)]
         local_counts = [sum(cell[e] for cell in recv_cells) for e in range(n_local)]
-        if use_dedup:
-            recv_splits = [cell[n_local] for cell in recv_cells]
-            sent = dedup.sent_rows(plans[c], sum(send_splits), slots[b], weights[b], n_local)
-            chunk = _Chunk(b, sent.tokens, send_splits, recv_splits, local_counts, None, sent=sent)
-            send_x = hidden[b].index_select(0, sent.tokens)
-            if send_x.dtype == sent.side.dtype:  # one exchange: the side tensor as extra columns
-                send_x = torch.cat([send_x, sent.side], dim=1)
-            else:
-                chunk.side_exchange = comm.exchange(
-                    sent.side, recv_splits, send_splits, ep.group, options.overlap, fill
-                )
-        else:
-            recv_splits = [sum(cell) for cell in recv_cells]
-            rows = orders[c][: sum(send_splits)]
-            to_em = None
-            if ep.size > 1:
-                to_em = _expert_major_positions(recv[:, c, :], sum(recv_splits))
-            chunk = _Chunk(b, rows, send_splits, recv_splits, local_counts, to_em)
-            send_x = hidden[b].index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
-        chunk.exchange = comm.exchange(send_x, recv_splits, send_splits, ep.group, options.overlap, fill)
-        stats.rows_sent += sum(send_splits)
-        stats.rows_received += sum(recv_splits)
+        chunk = Chunk(b, send_splits, exchange.recv_splits(recv_cells, n_local), local_counts)
+        for x in exchange.send(chunk, plans[c], hidden[b], slots[b], weights[b], recv[:, c, :], top_k, n_local, ep.size):
+            chunk.exchanges.append(
+                comm.exchange(x, chunk.recv_splits, chunk.send_splits, link.group, link.overlap, link.hooks)
+            )
+        stats.rows_sent += sum(chunk.send_splits)
+        stats.rows_received += sum(chunk.recv_splits)
         chunks.append(chunk)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
     return RoutedDispatch(
-        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement
+        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement,
+        exchange, link, runtime.queue_for(options, ep.size),
     )
-
-
-def _weight_grads(ep: ExpertParallelGroup, options: RuntimeOptions):
-    """The queue expert weight gradients wait in, when ``defer_expert_grads`` can pay (exchange waits exist)."""
-    return ep.weight_grads if options.defer_expert_grads and options.overlap and ep.size > 1 else None
 
 
 def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
@@ -256,49 +229,18 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         )
     state.done = True
     (holder or experts).hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
-    ep, opts = state.ep, state.options
+    exchange, link, k = state.exchange, state.link, state.top_k
+    hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []
-    k, hidden_size = state.top_k, state.hidden_shape[-1]
-    fill = _weight_grads(ep, opts)
     for chunk in state.chunks:
-        x = chunk.exchange.wait()
-        if chunk.sent is not None:  # dedup: one row per token, its local experts in the side tensor
-            if chunk.side_exchange is None:
-                x, side = x[:, :hidden_size], x[:, hidden_size:]
-            else:
-                side = chunk.side_exchange.wait()
-            pairs = dedup.pairs_of(side, k, state.placement.num_local, sum(chunk.local_counts))
-            x = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))
-            y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute, fill), via_call)
-            y = dedup.weighted_rows(y, pairs, side, k, state.weights.dtype)
-            combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap, fill))
-            continue
-        if chunk.to_expert_major is not None:
-            order = torch.empty_like(chunk.to_expert_major)
-            order[chunk.to_expert_major] = torch.arange(len(order), device=order.device)
-            x = x.index_select(0, order)
-        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, opts.compute, fill), via_call)
-        if chunk.to_expert_major is not None:
-            y = y.index_select(0, chunk.to_expert_major)
-        combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, ep.group, opts.overlap, fill))
-    outs = []
-    for chunk, pending in zip(state.chunks, combines, strict=True):
-        y_sorted = pending.wait()
-        n_tok = chunk.tokens.stop - chunk.tokens.start
-        if chunk.sent is not None:
-            outs.append(dedup.sum_partials(y_sorted, chunk.sent, n_tok))
-            continue
-        n_slots = n_tok * k
-        if len(chunk.rows) == n_slots:  # dropless: a gather back to (token, slot) order
-            inverse = torch.empty_like(chunk.rows)
-            inverse[chunk.rows] = torch.arange(n_slots, device=inverse.device)
-            slots = y_sorted.index_select(0, inverse)
-        else:  # dropped slots stay zero
-            slots = y_sorted.new_zeros((n_slots, hidden_size)).index_copy(0, chunk.rows, y_sorted)
-        w = state.weights[chunk.tokens]
-        dtype = torch.promote_types(slots.dtype, w.dtype)
-        weighted = torch.bmm(w.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, k, hidden_size))
-        outs.append(weighted.squeeze(1))
+        x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
+        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, compute, fill), via_call)
+        y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
+        combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
+    outs = [
+        exchange.combine(chunk, pending.wait(), state.weights[chunk.tokens], k, hidden_size)
+        for chunk, pending in zip(state.chunks, combines, strict=True)
+    ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(state.hidden_dtype)
 
@@ -313,7 +255,9 @@ def moe_forward(
     ep: ExpertParallelGroup,
     options: RuntimeOptions,
     placement: ExpertPlacement | None = None,
+    runtime: ExchangeRuntime | None = None,
 ) -> torch.Tensor:
     """One call: dispatch, local experts, combine. Same numerics as the two-phase API."""
-    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options, placement=placement)
+    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options, placement=placement,
+                     runtime=runtime)
     return experts_and_combine(state, experts)

@@ -34,6 +34,7 @@ from torch import nn
 from .errors import ExpertParallelError
 from .gradients import rank_local_modules, rank_local_names, rank_local_parameters, reduce_rank_local_grads
 from .groups import ExpertParallelGroup
+from .install import exchange_runtimes
 from .turns import in_interleaved_step
 
 # Where wrappers put the model: PEFT (PeftModel -> LoraModel -> model) and torch.compile
@@ -231,7 +232,8 @@ class EngineGuard:
         self._tasks.discard(task)
         if not sync:
             return
-        self.ep.weight_grads.flush()  # runtime.defer_expert_grads: the deferred parts first
+        for runtime in exchange_runtimes(self._model):  # runtime.defer_expert_grads: the deferred parts first
+            runtime.weight_grads.flush()
         reduce_rank_local_grads([p for p in rank_local_parameters(self._model) if p.requires_grad], self.ep)
         self.reductions += 1
         self._reduced = True

@@ -1,22 +1,26 @@
 """Local expert compute over the experts this rank owns, for every transformers weight layout.
 
 The rows arrive grouped by local expert (``counts[e]`` rows for expert e, in order). The gate/up and
-down projections run as grouped GEMMs (``torch.nn.functional.grouped_mm``, or ``npu_grouped_matmul``
-on Ascend) or as a per-expert loop. The activation always comes from the experts module: its
+down projections run on the backend :mod:`hp_rewrite.kernels` chooses: grouped GEMMs
+(``torch.nn.functional.grouped_mm``), torch_npu's ``npu_grouped_matmul`` (+ ``npu_swiglu``) as one
+autograd function for the whole MLP, or a per-expert loop. The activation always comes from the experts module: its
 ``_apply_gate`` (clamped SwiGLU, gpt-oss alpha/limit, softcap, interleaved gate/up...) or its
 ``act_fn``; nothing here assumes silu.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import grouped_op, npu
-from .deferred import DeferredGroupedMM, WeightGradQueue, refuse_hooked
+from .. import kernels
+from ..kernels import KernelChoice, KernelProblem, npu, torch_grouped
+from . import grouped_op
+from .deferred import DeferredGroupedMM, WeightGradQueue, grouped_grad_sink, refuse_hooked
 from .errors import ExpertParallelError
 
 # Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).
@@ -152,15 +156,8 @@ class LocalBatch:
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) runs for this device/dtype."""
-    if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
-        return False
-    if x.dtype != weight.dtype:
-        return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    return False
+    return kernels.choose("grouped", _problem(x, weight.shape[0], tuple(weight.shape[1:]), weight.dtype)).backend \
+        == "grouped"
 
 
 def _contiguous(grad: torch.Tensor) -> torch.Tensor:
@@ -171,10 +168,28 @@ def _grouped_mm(x: torch.Tensor, w_in_out: torch.Tensor, offsets: torch.Tensor) 
     if torch.compiler.is_compiling():  # traceable for every dtype (see grouped_op)
         return grouped_op.grouped_mm(x, w_in_out, offsets)
     mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    out = mm(x, w_in_out, offs=offsets)
+    if torch_grouped.needs_alignment(x, w_in_out):  # grouped_mm wants 16-byte row strides
+        xa, wa, width = torch_grouped.aligned(x, w_in_out)
+        out = mm(xa, wa, offs=offsets)[:, :width]
+    else:
+        out = mm(x, w_in_out, offs=offsets)
     if out.requires_grad:  # grouped_mm's backward rejects expanded gradients (a hook, not a view of out:
         out.register_hook(_contiguous)  # FSDP2 warns when a module returns a view)
     return out
+
+
+def _deferred(batch: LocalBatch, weight: torch.Tensor) -> bool:
+    """Whether this weight's gradient goes to the deferred queue. Deferred gradients go into a
+    parameter's .grad: a computed weight (a PEFT adapter's W + BA) takes the plain path, whose
+    autograd carries the gradient to the adapter."""
+    return batch.weight_grads is not None and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
+
+
+def _npu_sink(batch: LocalBatch, weight: torch.Tensor, transposed: bool, name: str):
+    if not _deferred(batch, weight):
+        return None
+    refuse_hooked(weight, name)
+    return grouped_grad_sink(batch.weight_grads, weight, transposed)
 
 
 def _project(
@@ -189,11 +204,10 @@ def _project(
 ) -> torch.Tensor:
     """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
     w_in_out = weight if transposed else weight.transpose(1, 2)
-    # deferred gradients go into a parameter's .grad: a computed weight (a PEFT adapter's W + BA)
-    # takes the plain path, whose autograd carries the gradient to the adapter
-    deferred = batch.weight_grads is not None and weight.requires_grad and weight.is_leaf and torch.is_grad_enabled()
+    deferred = _deferred(batch, weight)
     if kind == "npu":
-        out = npu.grouped_matmul(x, w_in_out, batch.counts)
+        sink = _npu_sink(batch, weight, transposed, name)
+        out = npu.grouped_matmul(x, w_in_out.detach() if sink else w_in_out, batch.counts, defer=sink)
     elif kind == "grouped" and deferred:
         refuse_hooked(weight, name)
         out = DeferredGroupedMM.apply(
@@ -209,19 +223,47 @@ def _project(
     return out
 
 
+def _problem(x: torch.Tensor, groups: int, dims: tuple[int, ...], weight_dtype: torch.dtype) -> KernelProblem:
+    return KernelProblem(x.device.type, x.dtype, groups, tuple(dims), weight_dtype)
+
+
+def kernel_choice(requested: str, module: nn.Module, device_type: str, dtype: torch.dtype,
+                  layout: ExpertsLayout | None = None, weight_dtype: torch.dtype | None = None) -> KernelChoice:
+    """The backend (:mod:`hp_rewrite.kernels`) that runs this holder's experts on ``dtype`` rows on
+    ``device_type``, and why (the report and ``describe-moe`` show it). ``weight_dtype`` overrides the
+    weights' own dtype (a model built on meta in another dtype than it will run in)."""
+    layout = layout or ExpertsLayout.of(module)
+    weights = [getattr(module, n) for n in (layout.gate, layout.up, layout.down) if n]
+    dims = tuple(sorted({d for w in weights for d in w.shape[1:]}))
+    problem = KernelProblem(device_type, dtype, weights[0].shape[0], dims, weight_dtype or weights[0].dtype)
+    return kernels.choose(requested, problem)
+
+
 def resolve_compute(requested: str, x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Map ``auto|grouped|eager`` to the kernel that runs here: ``npu``, ``grouped`` or ``eager``."""
-    if requested == "eager":
-        return "eager"
-    if x.device.type == "npu" and npu.available():
-        return "npu"
-    if grouped_mm_supported(x, weight):
-        return "grouped"
-    if requested == "grouped":
-        raise ExpertParallelError(
-            f"compute=grouped: no grouped GEMM for {x.dtype} on {x.device.type} here; use compute auto or eager"
-        )
-    return "eager"
+    """Map ``auto|grouped|eager|npu`` to the kernel that runs here: ``npu``, ``grouped`` or ``eager``."""
+    choice = kernels.choose(requested, _problem(x, weight.shape[0], tuple(weight.shape[1:]), weight.dtype))
+    if choice.backend is None:
+        raise ExpertParallelError(choice.reason)
+    return choice.backend
+
+
+def plain_swiglu(module: nn.Module, layout: ExpertsLayout) -> bool:
+    """A fused ``[gate | up]`` projection activated as ``silu(gate) * up`` (what ``npu_swiglu`` computes)."""
+    act = getattr(module, "act_fn", None)
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
+    gate = getattr(type(module), "_apply_gate", None)  # transformers' default gate is chunk(2) + act_fn
+    default = gate is None or (getattr(gate, "__name__", "") == "_default_apply_gate"
+                               and getattr(gate, "__module__", "") == "transformers.integrations.moe")
+    return layout.gated and silu and default
+
+
+def _gate_of(module: nn.Module, layout: ExpertsLayout, kind: str):
+    """The activation between the two projections: ``npu_swiglu`` where it is exact, else the module's own."""
+    if kind == "npu" and plain_swiglu(module, layout):
+        return npu.npu_swiglu
+    if not layout.gated:
+        return module.act_fn
+    return module._apply_gate if hasattr(module, "_apply_gate") else functools.partial(_default_gate, module)
 
 
 def local_experts_forward(
@@ -231,31 +273,40 @@ def local_experts_forward(
     layout = layout or ExpertsLayout.of(module)
     x = batch.hidden
     up = getattr(module, layout.up)
-    kind = resolve_compute(batch.compute, x, up)
+    choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout)
+    if choice.backend is None:
+        raise ExpertParallelError(choice.reason)
+    kind = choice.backend
     has_bias = layout.up_bias or layout.down_bias or layout.gate_bias
+    owner = type(module).__name__  # names a weight in errors
+    if kind == "npu" and layout.kind == "fused" and not has_bias:  # the whole MLP as one autograd function
+        down = getattr(module, layout.down)
+        w_up = up if layout.transposed else up.transpose(1, 2)
+        w_down = down if layout.transposed else down.transpose(1, 2)
+        sinks = (_npu_sink(batch, up, layout.transposed, f"{owner}.{layout.up}"),
+                 _npu_sink(batch, down, layout.transposed, f"{owner}.{layout.down}"))
+        y = npu.grouped_swiglu(x, w_up.detach() if sinks[0] else w_up, w_down.detach() if sinks[1] else w_down,
+                               batch.counts, activation=_gate_of(module, layout, kind), defer=sinks)
+        return module.post_expert_norm(y) if layout.post_norm else y
     rows = batch.row_experts() if has_bias else None
 
     def bias(name: str | None) -> torch.Tensor | None:
         return getattr(module, name) if name else None
 
-    owner = type(module).__name__  # names a weight in errors
-
+    gate = _gate_of(module, layout, kind)
     if layout.kind == "separate":
         g = _project(
             batch, x, getattr(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows,
             f"{owner}.{layout.gate}",
         )
         u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
-        if hasattr(module, "_apply_gate"):
-            h = module._apply_gate(torch.cat([g, u], dim=-1))
+        if hasattr(module, "_apply_gate") or gate is npu.npu_swiglu:
+            h = gate(torch.cat([g, u], dim=-1))
         else:
             h = module.act_fn(g) * u
     else:
-        h = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
-        if layout.gated:
-            h = module._apply_gate(h) if hasattr(module, "_apply_gate") else _default_gate(module, h)
-        else:
-            h = module.act_fn(h)
+        h = gate(_project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows,
+                          f"{owner}.{layout.up}"))
     y = _project(
         batch, h, getattr(module, layout.down), bias(layout.down_bias), layout.transposed, kind, rows,
         f"{owner}.{layout.down}",

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .deferred import WeightGradQueue
 from .errors import ExpertParallelError
 
 EP_DIM = "ep"  # the mesh dimension of the EP groups: the last one (consecutive ranks)
@@ -43,9 +42,6 @@ class ExpertParallelGroup:
     replica_rank: int = 0
     replica_group: dist.ProcessGroup | None = None
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
-    # expert weight gradients deferred into the backward's exchange waits (runtime.defer_expert_grads),
-    # one queue for every MoE layer of this group's models
-    weight_grads: WeightGradQueue = field(default_factory=WeightGradQueue, compare=False, repr=False)
 
     def __deepcopy__(self, memo) -> ExpertParallelGroup:
         """Process groups are shared, not copied: a deep copy of a rewritten model (a frozen reference

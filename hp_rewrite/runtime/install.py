@@ -16,13 +16,15 @@ The original bound forward stays reachable as ``module.hp_original_forward``; af
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .context import ExchangeRuntime
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
+from .exchange import TokenExchange, exchange_for
 from .experts import ExpertsLayout, LocalBatch, holder_of, local_experts_forward, shard_experts
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -35,14 +37,21 @@ class ExpertParallelBinding:
     ep: ExpertParallelGroup
     placement: ExpertPlacement
     options: RuntimeOptions
+    # the deferred-gradient queue and turn hook its exchanges get (the model's, shared by its layers)
+    runtime: ExchangeRuntime = field(default_factory=ExchangeRuntime, compare=False, repr=False)
+    exchange: TokenExchange = field(init=False, compare=False, repr=False)  # chosen once per layer
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exchange", exchange_for(self.options.dedup, self.ep.size))
 
     @property
     def num_experts(self) -> int:
         return self.placement.num_experts
 
 
-
-def _expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None) -> torch.Tensor:
+def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None) -> torch.Tensor:
+    """The forward of an installed experts holder: the only experts-level forward (the experts-level
+    archetype's generated function calls it)."""
     if isinstance(hidden, LocalBatch):
         return local_experts_forward(self, hidden, self.hp_layout)
     state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
@@ -66,10 +75,13 @@ def install_expert_parallel(
     options: RuntimeOptions | None = None,
     shard: bool = True,
     placement: ExpertPlacement | None = None,
+    runtime: ExchangeRuntime | None = None,
 ) -> nn.Module:
     """Make ``experts`` expert-parallel. ``shard=False`` when it already holds only its local experts.
 
     ``placement`` says which experts this rank keeps (default: consecutive blocks of experts).
+    ``runtime``: the deferred-gradient queue and turn hook the model's layers share (default: one of
+    its own).
     """
     options = options or RuntimeOptions()
     placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
@@ -85,7 +97,17 @@ def install_expert_parallel(
     if shard and ep.size > 1:
         shard_experts(experts, num_experts, placement.local_experts)
     experts.hp_layout = layout
-    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options)
+    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime())
     experts.hp_original_forward = experts.forward
-    experts.forward = types.MethodType(_expert_parallel_forward, experts)
+    experts.forward = types.MethodType(expert_parallel_forward, experts)
     return experts
+
+
+def exchange_runtimes(model: nn.Module) -> list[ExchangeRuntime]:
+    """The exchange runtimes of the holders installed in ``model`` (one for a rewritten model)."""
+    found: dict[int, ExchangeRuntime] = {}
+    for m in model.modules():
+        binding = getattr(m, "hp_expert_parallel", None)
+        if binding is not None:
+            found.setdefault(id(binding.runtime), binding.runtime)
+    return list(found.values())

@@ -7,10 +7,10 @@ from typing import Literal
 
 from .errors import ExpertParallelError
 
-ComputeKind = Literal["auto", "grouped", "eager"]
+ComputeKind = Literal["auto", "grouped", "eager", "npu"]
 DropPolicy = Literal["probs", "position"]
 
-COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager")
+COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager", "npu")
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 
 
@@ -18,8 +18,11 @@ DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 class RuntimeOptions:
     """How the routed runtime dispatches and computes.
 
-    compute: ``grouped`` uses ``torch.nn.functional.grouped_mm`` (or ``npu_grouped_matmul`` on Ascend),
-        ``eager`` a per-expert loop, ``auto`` picks grouped where the device and dtype support it.
+    compute: the expert-compute backend (:mod:`hp_rewrite.kernels`): ``grouped`` uses
+        ``torch.nn.functional.grouped_mm`` (``npu_grouped_matmul`` on an NPU device), ``eager`` a
+        per-expert loop, ``npu`` torch_npu's ``npu_grouped_matmul`` + ``npu_swiglu`` whenever torch_npu
+        imports (falling back to ``grouped`` beyond its limits), ``auto`` npu on NPU devices, else
+        grouped where the device and dtype support it, else eager.
     chunks: split the local tokens into this many chunks; chunk c's expert GEMMs overlap chunk c+1's
         all-to-all. 1 = no chunking.
     overlap: issue the dispatch all-to-all asynchronously and wait at first use, so the shared expert
@@ -38,7 +41,7 @@ class RuntimeOptions:
         :mod:`.deferred`). A rank waiting for a busier one in one layer does work it would do later,
         so uneven routing costs less. Expert weight gradients then land in ``.grad`` at the end of
         ``backward()`` without autograd hooks: refused for hooked or FSDP-sharded expert weights.
-        Grouped compute with ``ep > 1`` and ``overlap`` only; elsewhere it does nothing.
+        Grouped or npu compute with ``ep > 1`` and ``overlap`` only; elsewhere it does nothing.
     """
 
     compute: ComputeKind = "auto"

@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..hf import quiet_transformers
 from ..loading import local
 from ..loading.patch import DEFAULT_ARTIFACT_DIR, RewriteInfo, attach, expert_parallel_group_for, resolve_plan
-from ..loading.tiny import quiet_transformers
 from ..runtime import ExpertParallelError
 from .fsdp import fully_shard
 

@@ -171,9 +171,9 @@ def prepare_trainer(trainer):
     def train_resumable(resume_from_checkpoint=None, *args, **kwargs):
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
-            from transformers.trainer_utils import get_last_checkpoint
+            from ..hf import last_checkpoint
 
-            checkpoint = get_last_checkpoint(trainer.args.output_dir)
+            checkpoint = last_checkpoint(trainer.args.output_dir)
         callback.resume_from = checkpoint or None
         return train(resume_from_checkpoint, *args, **kwargs)
 

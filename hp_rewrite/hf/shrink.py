@@ -1,7 +1,7 @@
-"""Tiny random-weight transformers models, built from config classes only (nothing is downloaded).
+"""Shrinking a transformers config to a tiny one that keeps its MoE code paths (nothing is downloaded).
 
 ``tiny_config`` shrinks any transformers config (a model type name, or a config object such as one
-read from a checkpoint directory) to a model small enough for a CPU test, keeping its MoE code paths:
+read from a checkpoint directory) to a model small enough for a CPU test:
 
 * Every size comes from one table, :data:`SHRINK_RULES`, of ``(attribute, value)`` pairs, applied to
   the config and, recursively, to every sub-config (``text_config``, ``vision_config``, ...) that
@@ -21,57 +21,37 @@ read from a checkpoint directory) to a model small enough for a CPU test, keepin
   modeling code hard-codes when the config lacks them are filled in first (:data:`FAMILY_DEFAULTS`,
   the only per-family data). When a family rejects top-k 2, it keeps its own top-k.
 
-``build_tiny_model`` builds the model with the right class (:func:`auto_class_for`), in fp32,
-``eval()``, with eager attention, and randomises router weights, router biases and selection-bias
-buffers (:func:`randomise_routers`; transformers initialises several to zeros, which makes routing
-degenerate). ``make_tiny`` writes a real checkpoint (``config.json`` + ``model.safetensors``)
-atomically. ``moe_model_types`` finds, by structure, every model type of the installed transformers
-whose tiny model has experts holders (:func:`experts_holders`). Nothing is cached between calls.
+The tiny *model* (built, routers randomised, written as a checkpoint) is :mod:`hp_rewrite.tiny`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
-import importlib
-import inspect
-import os
 import re
-import shutil
-import tempfile
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-from torch import nn
+from ..errors import UserError
+from . import config_mapping, is_config, quiet_transformers, short_error
 
 __all__ = [
     "FAMILY_DEFAULTS",
     "KEEP_OFF",
     "SHRINK_RULES",
     "TEXT_TOKEN_LIMIT",
+    "VOCAB",
     "TinyError",
-    "TypeSurvey",
-    "auto_class_for",
-    "build_tiny_model",
-    "experts_holders",
-    "make_tiny",
-    "moe_model_types",
-    "randomise_routers",
-    "sample_input_ids",
-    "survey_model_types",
+    "default_config",
+    "sub_configs",
     "tiny_config",
 ]
 
 
-class TinyError(ValueError):
-    """A tiny model that cannot be made: unknown model type, a config or model that fails to build,
-    an output directory that is not empty. The message names the model type and the cause."""
+class TinyError(UserError, ValueError):
+    """A tiny config or model that cannot be made: unknown model type, a config or model that fails
+    to build, an output directory that is not empty. The message names the model type and the cause."""
 
 
 HIDDEN = 64
@@ -176,29 +156,27 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # M-RoPE over (temporal, height, width) with head_dim 128, partial rotary 0.5 / full rotary
     "glm4v_moe_text": {"rope_parameters.mrope_section": [8, 12, 12]},
     "ernie4_5_vl_moe_text": {"rope_parameters.mrope_section": [22, 22, 20]},
+    # read by the modeling code but absent from the default config (real checkpoints carry them):
+    # DbrxAttention reads attn_config.rope_theta and clamps q/k/v with attn_config.clip_qkv unconditionally
+    # (dbrx-instruct: 500000 and 8); the talker's MoE block reads its shared-expert size
+    "dbrx": {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8.0},
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 768},
+    "qwen3_omni_moe": {"talker_config.spatial_merge_size": 2},  # the talker model reads it from its own config
 }
 
 # Attributes that count a model's layers, in order of preference (used by the per-layer fix-ups).
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers", "depth", "decoder_layers", "encoder_layers")
 # Values that mark a per-layer MLP entry as sparse (MoE) or dense.
 _SPARSE_MARKS = ("sparse", "moe")
-_EXPERT_ATTR = re.compile(r"expert", re.IGNORECASE)
-_ROUTER_PARTS = frozenset({"gate", "router", "wg", "classifier", "moe_statics", "router_gate"})
-_ROUTER_LEAVES = frozenset({"e_score_correction_bias", "expert_bias", "router_bias", "per_expert_scale"})
 
 
 # ----------------------------------------------------------------------------------------------
 # configs
 
 
-def _config_mapping():
-    from transformers import CONFIG_MAPPING
-
-    return CONFIG_MAPPING
-
-
-def _default_config(model_type: str):
-    mapping = _config_mapping()
+def default_config(model_type: str):
+    """The default config of a model type (its config class built with no arguments, quietly)."""
+    mapping = config_mapping()
     if model_type not in mapping:
         close = difflib.get_close_matches(model_type, list(mapping.keys()), n=5, cutoff=0.5)
         hint = f"; close matches: {', '.join(close)}" if close else ""
@@ -207,18 +185,13 @@ def _default_config(model_type: str):
         with quiet_transformers():
             return mapping[model_type]()
     except Exception as e:  # a config class whose defaults do not validate
-        raise TinyError(f"{model_type}: its default config cannot be built: {_short(e)}") from e
+        raise TinyError(f"{model_type}: its default config cannot be built: {short_error(e)}") from e
 
 
-def _is_config(value: Any) -> bool:
-    from transformers import PreTrainedConfig
-
-    return isinstance(value, PreTrainedConfig)
-
-
-def _sub_configs(cfg) -> Iterator[tuple[str, Any]]:
+def sub_configs(cfg) -> Iterator[tuple[str, Any]]:
+    """``(attribute, config)`` of every sub-config (``text_config``, ``vision_config``...) of ``cfg``."""
     for key, value in list(vars(cfg).items()):
-        if _is_config(value):
+        if is_config(value):
             yield key, value
 
 
@@ -269,7 +242,7 @@ def _shrink_overrides(cfg, overrides: dict[int, dict[str, Any]], keep: list[int]
     the same table and the attention fix-ups (on the layer's view: global values overlaid with its
     overrides); overrides equal to the shrunk global value are dropped."""
     rules = dict(SHRINK_RULES)
-    glob = {k: v for k, v in vars(cfg).items() if not k.startswith("_") and not _is_config(v)}
+    glob = {k: v for k, v in vars(cfg).items() if not k.startswith("_") and not is_config(v)}
     out = {}
     for layer, orig in enumerate(keep):
         attrs = overrides.get(orig, {})
@@ -462,6 +435,8 @@ def _fill_family_defaults(cfg) -> None:
             holder = vars(cfg).get(name)
             if isinstance(holder, dict) and item not in holder:
                 holder[item] = copy.deepcopy(value)
+            elif is_config(holder) and vars(holder).get(item) is None:
+                setattr(holder, item, copy.deepcopy(value))  # a sub-config (e.g. dbrx's attn_config)
         elif vars(cfg).get(name) is None:
             setattr(cfg, name, copy.deepcopy(value))
 
@@ -516,7 +491,7 @@ def _shrink(cfg, remap: dict[int, int], skip: frozenset[str], depth: int = 0) ->
         count = _layer_count(cfg)
         keep = keep if keep is not None else list(range(count[1] if count else 0))
         cfg.per_layer_config = _shrink_overrides(cfg, overrides, keep, before, skip)
-    for _, sub in _sub_configs(cfg):
+    for _, sub in sub_configs(cfg):
         _shrink(sub, remap, skip, depth + 1)
 
 
@@ -533,8 +508,8 @@ def tiny_config(model_type_or_config):
     """A shrunk copy of a transformers config: a model type name (its default config) or a config
     object. Raises :class:`TinyError` for an unknown model type or a config that does not validate."""
     if isinstance(model_type_or_config, str):
-        cfg = _default_config(model_type_or_config)
-    elif _is_config(model_type_or_config):
+        cfg = default_config(model_type_or_config)
+    elif is_config(model_type_or_config):
         cfg = copy.deepcopy(model_type_or_config)
     else:
         raise TinyError(
@@ -548,7 +523,7 @@ def tiny_config(model_type_or_config):
         except Exception as e:
             first_error = first_error or e
     raise TinyError(
-        f"{model_type}: the shrunk config does not validate: {_short(first_error)}"
+        f"{model_type}: the shrunk config does not validate: {short_error(first_error)}"
     ) from first_error
 
 
@@ -561,323 +536,3 @@ def _shrunk_config(cfg, skip: frozenset[str]):
         if hasattr(cfg, "validate"):
             cfg.validate()
     return cfg
-
-
-# ----------------------------------------------------------------------------------------------
-# models
-
-# Auto classes in order of preference; the first whose mapping has the config class is used.
-_AUTO_CLASSES = (
-    "AutoModelForCausalLM",
-    "AutoModelForImageTextToText",
-    "AutoModelForMultimodalLM",
-    "AutoModelForSeq2SeqLM",
-    "AutoModel",
-    "AutoModelForTextToWaveform",
-    "AutoModelForPreTraining",
-    "AutoBackbone",
-    "AutoModelForPoseEstimation",
-)
-
-
-# Auto classes whose mapped model class is returned instead of the Auto class itself.
-_CONCRETE = frozenset({"AutoBackbone"})
-
-
-def auto_class_for(config) -> type:
-    """The class that builds and reloads the model of ``config``: an Auto class (causal LM first,
-    then image-text-to-text, multimodal LM, seq2seq, base model, ...; for a backbone the model class
-    it maps to), or, for a config type no Auto mapping lists (e.g. a sub-model's text config), the model class of its modeling module that
-    declares it (``...ForCausalLM`` first, then ``...Model``). Both have ``from_pretrained``; build
-    with :func:`build_tiny_model`."""
-    import transformers
-
-    for name in _AUTO_CLASSES:
-        auto = getattr(transformers, name, None)
-        mapping = getattr(auto, "_model_mapping", None)
-        if mapping is None:
-            continue
-        with contextlib.suppress(KeyError, ValueError, ImportError, AttributeError):
-            model_class = mapping[type(config)]  # KeyError when not mapped; loads only this class
-            # AutoBackbone.from_pretrained asks the Hub whether a local path is a repository
-            return model_class if name in _CONCRETE else auto
-    cls = _declared_model_class(config)
-    if cls is None:
-        raise TinyError(
-            f"{config.model_type}: no Auto class and no model class declares {type(config).__name__}"
-        )
-    return cls
-
-
-def _declared_model_class(config) -> type | None:
-    from transformers import PreTrainedModel
-
-    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    found = [
-        obj
-        for _, obj in inspect.getmembers(module, inspect.isclass)
-        if issubclass(obj, PreTrainedModel)
-        and obj.__module__ == module.__name__
-        and obj.config_class is type(config)
-    ]
-
-    def rank(cls: type) -> tuple[int, str]:
-        name = cls.__name__
-        order = ("ForCausalLM", "ForConditionalGeneration", "Model")
-        return next((i for i, s in enumerate(order) if name.endswith(s)), len(order)), name
-
-    found = [c for c in found if not c.__name__.endswith("PreTrainedModel")]
-    return min(found, key=rank) if found else None
-
-
-def _instantiate(cls: type, config) -> nn.Module:
-    kwargs = {"attn_implementation": "eager", "dtype": torch.float32}
-    if hasattr(cls, "from_config"):
-        return cls.from_config(config, **kwargs)
-    return cls._from_config(config, **kwargs)
-
-
-def build_tiny_model(config, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
-    """A random-weight model of ``config`` (a config, normally from :func:`tiny_config`, or a model
-    type name, which is shrunk first): fp32, ``eval()``, eager attention, built with
-    :func:`auto_class_for`, routers randomised. Deterministic in ``seed``; the global RNG state is
-    left untouched. ``device="meta"`` builds without storage (for structure only)."""
-    if isinstance(config, str):
-        config = tiny_config(config)
-    model_type = getattr(config, "model_type", "?")
-    cls = auto_class_for(config)
-    try:
-        with torch.random.fork_rng(devices=[]), quiet_transformers():
-            torch.manual_seed(seed)
-            with torch.device(device) if device is not None else contextlib.nullcontext():
-                model = _instantiate(cls, copy.deepcopy(config))
-    except Exception as e:
-        raise TinyError(f"{model_type}: the tiny model cannot be built: {_short(e)}") from e
-    model.eval()
-    if device is None or torch.device(device).type != "meta":
-        randomise_routers(model, seed)
-    return model
-
-
-def experts_holders(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
-    """``(name, module, num_experts)`` of every experts holder, found by structure: a module with
-    direct 3-D per-expert weights sharing their leading dimension (not a torch.nn built-in such as
-    Conv1d), or a ModuleList / ModuleDict named ``*expert*`` of at least two same-typed modules.
-    Holders nested in another holder are not listed."""
-    found: list[tuple[str, nn.Module, int]] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(h + ".") for h, _, _ in found):
-            continue
-        n = _holder_experts(name, module)
-        if n:
-            found.append((name, module, n))
-    return found
-
-
-def _holder_experts(name: str, module: nn.Module) -> int:
-    leaf = name.rsplit(".", 1)[-1].lower()
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        # per-expert modules: the children that have weights, all of one type (dropouts etc. aside)
-        weighted = [c for c in module.children() if any(True for _ in c.parameters())]
-        if "expert" in leaf and len(weighted) >= 2 and len({type(c) for c in weighted}) == 1:
-            return len(weighted)
-        return 0
-    if type(module).__module__.startswith("torch.nn"):
-        return 0  # Conv1d and friends
-    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
-    leading = {p.shape[0] for p in stacked}
-    if not stacked or min(leading) < 2:
-        return 0
-    if len(stacked) < 2 and "expert" not in type(module).__name__.lower() and "expert" not in leaf:
-        return 0  # a lone 3-D tensor (a position table, a custom convolution) is not an experts holder
-    declared = getattr(module, "num_experts", None)
-    # zero-expert layouts hold more gate/up rows than down rows: the declared count wins
-    return declared if isinstance(declared, int) and declared in leading else min(leading)
-
-
-@torch.no_grad()
-def randomise_routers(model: nn.Module, seed: int = 0) -> list[str]:
-    """Randomise the router tensors of every MoE block (the holder's parent module): tensors
-    outside the experts holder whose path has a router part (``gate``, ``router``, ``wg``,
-    ``classifier``, ...) or a selection-bias name (``e_score_correction_bias``, ``expert_bias``,
-    ...), and every all-zero floating tensor of the block. Weights (2-D and up) get N(0, 0.2);
-    all-zero 1-D tensors N(0, 0.05); constant 1-D scales ``c`` get ``c * (1 + N(0, 0.05))``; 1-D
-    tensors that already vary keep their values. Only persistent tensors (those
-    ``save_pretrained`` writes) are touched. Returns the names randomised."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    holders = experts_holders(model)
-    holder_names = {h for h, _, _ in holders}
-    persistent = set(model.state_dict().keys())
-    done: list[str] = []
-    parents = sorted({h.rsplit(".", 1)[0] if "." in h else "" for h in holder_names})
-    for parent in parents:
-        block = model.get_submodule(parent)
-        prefix = f"{parent}." if parent else ""
-        tensors = list(block.named_parameters()) + list(block.named_buffers())
-        for rel, t in tensors:
-            full = prefix + rel
-            if full in done or full not in persistent or not t.is_floating_point() or t.numel() == 0:
-                continue
-            if any(full.startswith(h + ".") for h in holder_names):
-                continue
-            parts = rel.split(".")
-            named = bool(_ROUTER_PARTS.intersection(parts[:-1])) or parts[-1] in _ROUTER_LEAVES
-            zero = bool((t == 0).all())
-            if not (named or zero):
-                continue
-            constant = bool((t == t.reshape(-1)[0]).all())
-            if t.dim() < 2 and not constant:
-                continue  # a deliberate pattern (e.g. a skip class biased to -1): transformers may re-apply it on load
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-            if t.dim() >= 2:
-                t.copy_(noise * 0.2)
-            elif zero:
-                t.copy_(noise * 0.05)
-            else:
-                t.copy_(t * (1 + 0.05 * noise))
-            done.append(full)
-    return done
-
-
-def sample_input_ids(config, batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
-    """Plain text token ids ``[batch, seq]`` for a tiny model (below :data:`TEXT_TOKEN_LIMIT`, so
-    never an image/audio placeholder or another special token)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", VOCAB) or VOCAB
-    return torch.randint(0, min(TEXT_TOKEN_LIMIT, vocab), (batch, seq), generator=gen)
-
-
-# ----------------------------------------------------------------------------------------------
-# checkpoints
-
-
-def make_tiny(
-    model_type: str | None,
-    out_dir: str | os.PathLike,
-    seed: int = 0,
-    from_config: str | os.PathLike | None = None,
-) -> Path:
-    """Write a tiny random-weight checkpoint (``save_pretrained``: ``config.json`` +
-    ``model.safetensors``) of ``model_type``, or of the config in ``from_config`` (a directory
-    with a ``config.json``, or the file itself), shrunk. Written into a temporary directory next to
-    ``out_dir`` and renamed into place; an existing non-empty ``out_dir`` is never overwritten."""
-    if (model_type is None) == (from_config is None):
-        raise TinyError("make_tiny: give exactly one of model_type and from_config")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TinyError(f"make_tiny: {out} exists and is not an empty directory; refusing to overwrite it")
-    if from_config is not None:
-        cfg = tiny_config(_read_config(Path(from_config)))
-    else:
-        cfg = tiny_config(model_type)
-    model = build_tiny_model(cfg, seed=seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        with quiet_transformers():
-            model.save_pretrained(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above); fails if someone filled it meanwhile
-        os.rename(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise TinyError(f"make_tiny: cannot write {out}: {e}") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _read_config(path: Path):
-    from transformers import AutoConfig
-
-    where = path.parent if path.is_file() else path
-    if not (where / "config.json").is_file():
-        raise TinyError(f"make_tiny: no config.json in {where}")
-    try:
-        with quiet_transformers():
-            return AutoConfig.from_pretrained(where)
-    except Exception as e:
-        raise TinyError(f"make_tiny: cannot read the config in {where}: {_short(e)}") from e
-
-
-# ----------------------------------------------------------------------------------------------
-# discovery
-
-
-@dataclass(frozen=True)
-class TypeSurvey:
-    """What :func:`survey_model_types` found for one candidate model type."""
-
-    model_type: str
-    status: str  # "moe": has experts holders; "dense": built, none found; "error": cannot be built
-    holders: tuple[tuple[str, int], ...] = ()  # (module name, num_experts)
-    detail: str = ""
-
-
-def _has_expert_attribute(cfg, depth: int = 0) -> bool:
-    names = [k for k in vars(cfg) if not k.startswith("_")] + list(type(cfg).attribute_map)
-    if any(_EXPERT_ATTR.search(k) for k in names):
-        return True
-    return depth < 4 and any(_has_expert_attribute(sub, depth + 1) for _, sub in _sub_configs(cfg))
-
-
-def survey_model_types(model_types: list[str] | None = None) -> list[TypeSurvey]:
-    """Every model type of the installed transformers (or ``model_types``) whose default config tree
-    names an expert attribute (``num_experts``, ``n_routed_experts``, ``moe_num_experts``, ...),
-    built tiny on the meta device and classified by structure (:func:`experts_holders`)."""
-    out = []
-    for model_type in model_types if model_types is not None else list(_config_mapping().keys()):
-        try:
-            cfg = _default_config(model_type)
-        except TinyError:
-            continue
-        if not _has_expert_attribute(cfg):
-            continue
-        try:
-            model = build_tiny_model(tiny_config(cfg), device="meta")
-        except TinyError as e:
-            out.append(TypeSurvey(model_type, "error", detail=str(e)))
-            continue
-        holders = tuple((name, n) for name, _, n in experts_holders(model))
-        out.append(TypeSurvey(model_type, "moe" if holders else "dense", holders))
-    return out
-
-
-def moe_model_types() -> list[str]:
-    """Every model type of the installed transformers that has MoE blocks (experts holders found by
-    structure in its tiny model). Computed on each call; a type whose tiny model cannot be built is
-    not listed (see :func:`survey_model_types` for those)."""
-    return sorted(s.model_type for s in survey_model_types() if s.status == "moe")
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' warnings and progress bars (config validation chatter, shard bars)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,136 @@
+"""``hp-rewrite cost PLAN MODEL_DIR``: per-rank FLOPs, all-to-all bytes, memory and time of the MoE layers
+(``--suggest`` ranks EP degrees, ``--calibrate`` measures this machine)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .common import console, typed
+
+
+@dataclass(frozen=True)
+class CostArgs:
+    json: bool
+    calibrate: bool
+    out: Path | None
+
+
+def register(sub) -> None:
+    co = sub.add_parser(
+        "cost",
+        help="estimate per-rank FLOPs, all-to-all bytes, memory and time of the MoE "
+        "layers (config.json only); --suggest ranks EP degrees; --calibrate measures this machine",
+    )
+    co.add_argument("plan", type=Path, nargs="?", help="YAML parallel plan (its ep_size unless --ep)")
+    co.add_argument("model_dir", type=Path, nargs="?", help="checkpoint directory (only config.json is read)")
+    co.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (s)")
+    co.add_argument("--micro-batch", type=int, default=None, help="sequences per rank and micro-batch (b)")
+    co.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel degree (default: the plan's ep_size)"
+    )
+    co.add_argument(
+        "--etp", type=int, default=1, help="expert tensor parallel (divides expert FLOPs/weights)"
+    )
+    co.add_argument("--tp", type=int, default=1, help="tensor parallel (used for experts when --etp is 1)")
+    co.add_argument("--cp", type=int, default=1, help="context parallel (divides the tokens of a rank)")
+    co.add_argument("--world-size", type=int, default=None, help="ranks in all (EP x DP), for --suggest")
+    co.add_argument(
+        "--suggest",
+        action="store_true",
+        help="rank every ep that divides the world size and the "
+        "experts by estimated step time, with memory per rank against the device capacity",
+    )
+    co.add_argument(
+        "--tokens-per-expert",
+        type=Path,
+        default=None,
+        help="profile.json from hp-rewrite profile (skew-aware: the busiest rank sets the pace)",
+    )
+    co.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    co.add_argument(
+        "--hardware",
+        default=None,
+        help="preset: cpu-gloo, h100-nvlink, h200-nvlink (default), ascend910b-hccs",
+    )
+    co.add_argument(
+        "--hardware-file",
+        type=Path,
+        default=None,
+        help="JSON of hardware fields overriding the preset (e.g. written by --calibrate)",
+    )
+    co.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="training dtype (default: the config's, else bf16)",
+    )
+    co.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=0.0,
+        help="memory per rank kept for everything outside the MoE layers",
+    )
+    co.add_argument(
+        "--non-expert",
+        choices=["replicate", "fully_shard"],
+        help="with --suggest: cost every weight's states and the data-parallel collectives, non-expert weights "
+        "replicated (DDP) or sharded with the experts over their replicas (hp_rewrite.fully_shard)",
+    )
+    co.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure matmul FLOP/s and all-to-all alpha/beta "
+        "on 2 local gloo ranks; write a hardware JSON (--out)",
+    )
+    co.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="with --calibrate: where to write the JSON (default ./hp-rewrite-hardware.json)",
+    )
+    co.set_defaults(run=_run)
+
+
+def _run(ns) -> int:
+    from ..cost.run import CostRequest
+
+    return cost(typed(CostArgs, ns), typed(CostRequest, ns))
+
+
+def cost(args: CostArgs, request) -> int:
+    from ..cost.report import cost_table, memory_lines, suggest_table, time_line
+    from ..cost.run import calibrate_to, estimate_cost
+
+    if args.calibrate:
+        cal, out = calibrate_to(args.out)
+        h = cal.hardware
+        console.print(
+            f"matmul: {h.flops_per_s / 1e9:.3g} GFLOP/s per rank; all-to-all: alpha {h.alpha_s * 1e6:.3g} us, "
+            f"beta {h.beta_Bps / 1e9:.3g} GB/s ({len(cal.points)} sizes); wrote {out} "
+            "(use it with --hardware-file)"
+        )
+        return 0
+    report = estimate_cost(request)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+        return 0
+    spec, result, hw = report.spec, report.cost, report.hardware
+    console.print(cost_table(result, {lay.path: lay for lay in spec.layers}))
+    sources = {c.loads.source for c in result.layers}
+    reasons = sorted({c.loads.reason for c in result.layers if c.loads.reason})
+    console.print(f"routing: {', '.join(sorted(sources))}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+    confirmed = sorted({lay.confirmed for lay in spec.layers})
+    if spec.excluded or spec.unmatched:
+        console.print(
+            f"not costed: {len(spec.excluded)} block(s) excluded by the plan, unmatched (left unmodified): "
+            f"{', '.join(spec.unmatched) or 'none'}",
+            highlight=False,
+        )
+    console.print(f"archetypes: {', '.join(confirmed)}" + "".join(f"; {n}" for n in spec.notes))
+    for line in memory_lines(result, hw, report.reserve_bytes) + [time_line(report.time, hw)]:
+        console.print(line, highlight=False)
+    if report.candidates:
+        console.print(suggest_table(report.candidates, request.world_size, hw))
+    return 0

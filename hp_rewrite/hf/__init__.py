@@ -1,0 +1,311 @@
+"""The one place hp-rewrite talks to transformers.
+
+Everything the other layers need from transformers goes through here: reading a config
+(:func:`load_config` for a checkpoint directory, :func:`auto_config` for any name or path), the
+class that builds a config's model (:func:`auto_class_for`), building it (:func:`instantiate`,
+:func:`meta_model`, :func:`build_meta_model`, :func:`pretrained_model`), silencing its logs
+(:func:`quiet_transformers`), the weight conversion mapping the loaders apply
+(:func:`core_model_loading`, :func:`model_conversion_mapping`), and its version. Shrinking a config
+to a tiny one is :mod:`hp_rewrite.hf.shrink`.
+
+transformers is imported inside the functions, never at import time. This package imports nothing
+of hp-rewrite but :mod:`hp_rewrite.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import ModelDirError
+
+__all__ = [
+    "auto_class_for",
+    "auto_config",
+    "build_meta_model",
+    "config_mapping",
+    "core_model_loading",
+    "instantiate",
+    "is_config",
+    "last_checkpoint",
+    "load_config",
+    "meta_model",
+    "model_conversion_mapping",
+    "pretrained_model",
+    "pretrained_model_class",
+    "quiet_transformers",
+    "short_error",
+    "top_k_of",
+    "transformers_version",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings and progress bars (config validation chatter, shard bars)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, cut to ``limit`` characters (transformers errors can be long)."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+#: Config fields that hold the router's top-k, in order of preference.
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+
+
+def top_k_of(block, router, *configs) -> int | None:
+    """The router's top-k: an integer ``top_k`` on ``router``, else on ``block``, else a top-k field
+    (:data:`_TOP_K_FIELDS`) of each config given (its decoder text config), in order; None if none."""
+    for owner in (router, block):
+        k = _int(getattr(owner, "top_k", None)) if owner is not None else None
+        if k is not None:
+            return k
+    for config in configs:
+        if config is None:
+            continue
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        for name in _TOP_K_FIELDS:
+            k = _int(getattr(text, name, None))
+            if k is not None:
+                return k
+    return None
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+
+def load_config(model_dir: Path):
+    """The config of a checkpoint directory; :class:`ModelDirError` when it has no readable config.json."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ModelDirError(
+            f"{model_dir}: no config.json; pass a transformers checkpoint directory "
+            "(hp-rewrite make-tiny MODEL_TYPE DIR writes a small one)"
+        )
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelDirError(f"{model_dir}/config.json: transformers cannot read it: {e}") from e
+
+
+def auto_config(name_or_path, **kwargs):
+    """``AutoConfig.from_pretrained`` as is (a hub id or a path; transformers' own errors)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name_or_path, **kwargs)
+
+
+def config_mapping():
+    """transformers' ``CONFIG_MAPPING``: model type name -> config class."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
+def is_config(value) -> bool:
+    from transformers import PreTrainedConfig
+
+    return isinstance(value, PreTrainedConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# model classes and building
+
+# Auto classes in order of preference; the first whose mapping has the config class is used.
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",
+    "AutoModelForMultimodalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModel",
+    "AutoModelForTextToWaveform",
+    "AutoModelForPreTraining",
+    "AutoBackbone",
+    "AutoModelForPoseEstimation",
+)
+
+# Auto classes whose mapped model class is returned instead of the Auto class itself.
+_CONCRETE = frozenset({"AutoBackbone"})
+
+
+def auto_class_for(config) -> type:
+    """The class that builds and reloads the model of ``config``: an Auto class (causal LM first,
+    then image-text-to-text, multimodal LM, seq2seq, base model, ...; for a backbone the model class
+    it maps to), or, for a config type no Auto mapping lists (e.g. a sub-model's text config), the
+    model class of its modeling module that declares it (``...ForCausalLM`` first, then
+    ``...Model``). Both have ``from_pretrained``; build with :func:`instantiate`. Raises
+    :class:`ModelDirError` when there is none."""
+    import transformers
+
+    for name in _AUTO_CLASSES:
+        auto = getattr(transformers, name, None)
+        mapping = getattr(auto, "_model_mapping", None)
+        if mapping is None:
+            continue
+        with contextlib.suppress(KeyError, ValueError, ImportError, AttributeError):
+            model_class = mapping[type(config)]  # KeyError when not mapped; loads only this class
+            # AutoBackbone.from_pretrained asks the Hub whether a local path is a repository
+            return model_class if name in _CONCRETE else auto
+    cls = _declared_model_class(config)
+    if cls is None:
+        raise ModelDirError(
+            f"{config.model_type}: no Auto class and no model class declares {type(config).__name__}"
+        )
+    return cls
+
+
+def _declared_model_class(config) -> type | None:
+    from transformers import PreTrainedModel
+
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    found = [
+        obj
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, PreTrainedModel)
+        and obj.__module__ == module.__name__
+        and obj.config_class is type(config)
+    ]
+
+    def rank(cls: type) -> tuple[int, str]:
+        name = cls.__name__
+        order = ("ForCausalLM", "ForConditionalGeneration", "Model")
+        return next((i for i, s in enumerate(order) if name.endswith(s)), len(order)), name
+
+    found = [c for c in found if not c.__name__.endswith("PreTrainedModel")]
+    return min(found, key=rank) if found else None
+
+
+def instantiate(cls: type, config, dtype=None):
+    """``cls`` (an Auto class or a model class) built from ``config`` with eager attention, in
+    ``dtype`` when given, on the current default device."""
+    kwargs = {"attn_implementation": "eager"}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    return build(config, **kwargs)
+
+
+def meta_model(config, dtype=None):
+    """The model of ``config`` on the meta device (structure only, no weights read or allocated),
+    built with :func:`auto_class_for`'s class and eager attention, in ``dtype`` when given."""
+    import torch
+
+    cls = auto_class_for(config)
+    with torch.device("meta"), quiet_transformers():
+        return instantiate(cls, config, dtype)
+
+
+def build_meta_model(config):
+    """``(model, note)``: :func:`meta_model`; for a config whose Auto class rejects it ("Unrecognized
+    configuration class"), the model class its modeling module declares, built directly, with a note
+    saying so (else ``note`` is None). Raises :class:`ModelDirError` when neither builds."""
+    import torch
+
+    try:
+        return meta_model(config), None
+    except Exception as first:  # noqa: BLE001 - transformers raises many kinds here
+        try:
+            cls = auto_class_for(config)
+        except ModelDirError:
+            cls = None
+        if cls is None or "Unrecognized configuration class" not in str(first):
+            raise ModelDirError(
+                f"transformers cannot build the model from this config ({short_error(first)}); "
+                "fix the config (or report it upstream) and retry"
+            ) from first
+        try:
+            with torch.device("meta"):
+                model = instantiate(cls, config)
+        except Exception as e:  # noqa: BLE001
+            raise ModelDirError(
+                f"transformers cannot build the model from this config: AutoModelForCausalLM / AutoModel do "
+                f"not take it, and {cls.__name__} raised {short_error(e)}; fix the config (or report it "
+                "upstream) and retry"
+            ) from e
+        note = (
+            f"described from {type(model).__name__}, built directly: `hp-rewrite apply` builds models with "
+            f"AutoModelForCausalLM / AutoModel, which cannot build this config ({short_error(first, 160)})"
+        )
+        return model, note
+
+
+def pretrained_model(name_or_path, config=None, **kwargs):
+    """``from_pretrained`` of :func:`auto_class_for`'s class (eager attention unless ``kwargs`` says
+    otherwise); ``config`` is read from ``name_or_path`` when not given."""
+    config = config if config is not None else auto_config(name_or_path)
+    kwargs.setdefault("attn_implementation", "eager")
+    return auto_class_for(config).from_pretrained(name_or_path, **kwargs)
+
+
+def pretrained_model_class() -> type:
+    """transformers' ``PreTrainedModel`` (whose ``from_pretrained`` every model class ends in)."""
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def core_model_loading() -> ModuleType:
+    """``transformers.core_model_loading``: ``WeightRenaming``, ``WeightConverter``, their operations
+    (``MergeModulelist``, ``Concatenate``...), ``rename_source_key``, ``apply_renamings``,
+    ``build_glob_alternation``."""
+    return importlib.import_module("transformers.core_model_loading")
+
+
+def model_conversion_mapping(model) -> list:
+    """The renamings and converters transformers applies when it loads ``model``'s checkpoints."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model)
+
+
+def last_checkpoint(output_dir) -> str | None:
+    """The newest ``checkpoint-N`` directory under a Trainer's ``output_dir`` (None if there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output_dir)

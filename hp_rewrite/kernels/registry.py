@@ -1,0 +1,122 @@
+"""The expert-compute backends and the one rule that picks one (``runtime.compute``).
+
+``grouped``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``), forward and backward grouped.
+``eager``: a per-expert loop of matmuls (every device and dtype; the loop is the point).
+``npu``: ``torch_npu.npu_grouped_matmul`` and ``npu_swiglu`` (:mod:`.npu`); chosen whenever torch_npu
+imports when asked for by name (also for CPU tensors: that is how it runs through a stand-in), and by
+``auto`` on NPU devices. Its limits (groups, inner dimensions) fall back to ``grouped`` with the reason.
+
+:func:`choose` returns a :class:`KernelChoice` naming the backend and why; an explicit request that
+cannot run here comes back with ``backend=None`` and the reason, for the caller to raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+
+from . import npu
+
+COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager", "npu")
+
+
+@dataclass(frozen=True)
+class KernelProblem:
+    """What the choice depends on: where the rows live, their dtype, the number of local experts and
+    every weight dimension (each is the inner dimension of a forward or input-gradient GEMM)."""
+
+    device_type: str
+    dtype: torch.dtype
+    groups: int
+    dims: tuple[int, ...]
+    weight_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    requested: str
+    backend: str | None  # None: the request cannot run here (``reason`` says why)
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _grouped_problem(p: KernelProblem) -> str | None:
+    if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return f"this torch ({torch.__version__}) has no grouped_mm"
+    if p.weight_dtype is not None and p.weight_dtype != p.dtype:
+        return f"rows are {p.dtype} but expert weights {p.weight_dtype}"
+    if p.device_type == "cpu":
+        ok = p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return None if ok else f"torch grouped_mm on cpu takes fp32/bf16/fp16, not {p.dtype}"
+    if p.device_type == "cuda":
+        if p.dtype != torch.bfloat16:
+            return f"torch grouped_mm on cuda takes bf16 only, not {p.dtype}"
+        return None if torch.cuda.get_device_capability() >= (8, 0) else "torch grouped_mm needs sm80+"
+    return f"torch grouped_mm does not run on {p.device_type}"
+
+
+def _npu_unusable(p: KernelProblem) -> str | None:
+    """Why the npu ops cannot run at all here (an explicit ``npu`` request then fails)."""
+    if not npu.available():
+        return "torch_npu does not import here"
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"npu_grouped_matmul takes fp32/bf16/fp16, not {p.dtype}"
+    return None
+
+
+def _npu_problem(p: KernelProblem) -> str | None:
+    return _npu_unusable(p) or npu.limits_problem(p.groups, p.dims)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    problem: Callable[[KernelProblem], str | None]  # why it cannot run this problem here, None when it can
+
+
+BACKENDS = MappingProxyType({
+    "npu": Backend("npu", "torch_npu npu_grouped_matmul (m-grouped forward/dX, k-grouped dW) + npu_swiglu",
+                   _npu_problem),
+    "grouped": Backend("grouped", "torch grouped_mm (m-grouped forward/dX, k-grouped dW)", _grouped_problem),
+    "eager": Backend("eager", "per-expert loop of matmuls", lambda p: None),
+})
+
+
+def choose(requested: str, problem: KernelProblem) -> KernelChoice:
+    """The backend that runs ``problem`` for ``runtime.compute: requested``, and why."""
+    if requested not in COMPUTE_KINDS:
+        return KernelChoice(requested, None, f"compute={requested!r}: choose one of {', '.join(COMPUTE_KINDS)}")
+    where = f"{problem.dtype} on {problem.device_type}".replace("torch.", "")
+    if requested == "eager":
+        return KernelChoice(requested, "eager", "requested")
+    grouped_problem = _grouped_problem(problem)
+    fallback = "grouped" if grouped_problem is None else "eager"
+    if requested == "npu":
+        why = _npu_problem(problem)
+        if why is None:
+            return KernelChoice(requested, "npu", f"requested; torch_npu imports ({where})")
+        if _npu_unusable(problem):
+            return KernelChoice(requested, None, f"compute=npu: {why}")
+        return KernelChoice(requested, fallback, f"npu fallback: {why}" + (f"; {grouped_problem}" if grouped_problem
+                                                                            else ""))
+    if requested == "grouped":
+        if grouped_problem is None:
+            return KernelChoice(requested, "grouped", f"requested; grouped_mm runs {where}")
+        if problem.device_type == "npu" and _npu_problem(problem) is None:
+            return KernelChoice(requested, "npu", f"requested grouped; on npu that is npu_grouped_matmul ({where})")
+        return KernelChoice(requested, None, f"compute=grouped: {grouped_problem}; use compute auto or eager")
+    if problem.device_type == "npu":  # auto
+        why = _npu_problem(problem)
+        if why is None:
+            return KernelChoice(requested, "npu", f"auto: npu device ({where})")
+        return KernelChoice(requested, fallback, f"auto: npu unusable ({why})")
+    if grouped_problem is None:
+        return KernelChoice(requested, "grouped", f"auto: grouped_mm runs {where}")
+    return KernelChoice(requested, "eager", f"auto: {grouped_problem}")

@@ -1,0 +1,267 @@
+"""The safetensors files of a checkpoint, and how their keys map onto a model's tensors.
+
+:class:`Reader` lists every tensor of a checkpoint (``model.safetensors`` or the shards named by
+``model.safetensors.index.json``) from the headers alone, and copies row ranges (dim 0) of a tensor
+into preallocated tensors through bounded memory-map views (at most ``chunk_bytes`` per copy, the
+file opened afresh per chunk). :func:`map_keys` groups the checkpoint keys into load units
+(:class:`LoadUnit`) with transformers' conversion mapping for the model (renamings and converters, see
+:func:`hp_rewrite.hf.model_conversion_mapping`). Used by :mod:`hp_rewrite.loading.local`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..hf import core_model_loading
+from ..runtime import ExpertParallelError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointKeyError",
+    "ExpertSlice",
+    "LoadUnit",
+    "Reader",
+    "TensorInfo",
+    "expert_slices",
+    "index_regex",
+    "map_keys",
+    "natural_key",
+    "safetensors_files",
+    "torch_dtype",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CHUNK_BYTES = 16 * 2**20  # largest single read (copy) from a file's memory map
+
+_ITEMSIZE = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}  # fmt: skip
+
+
+class CheckpointKeyError(ExpertParallelError):
+    """The checkpoint does not fit the model: missing, unexpected, duplicated or mis-shaped tensors."""
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class Reader:
+    """Row-range reads of checkpoint tensors into preallocated tensors, through bounded mmap views."""
+
+    def __init__(self, model_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.chunk_bytes = chunk_bytes
+        self.bytes_read = 0
+        self.files_read: set[str] = set()
+        self.infos: dict[str, TensorInfo] = {}
+        for file in safetensors_files(model_dir):
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if key in self.infos:
+                        raise CheckpointKeyError(
+                            f"{key} is stored twice: in {self.infos[key].file.name} and {file.name}"
+                        )
+                    s = f.get_slice(key)
+                    self.infos[key] = TensorInfo(file, tuple(s.get_shape()), s.get_dtype())
+
+    def copy_into(self, key: str, out: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """``out[...] = tensor[start:stop]`` (dim 0; the whole tensor by default), read chunk by chunk."""
+        info = self.infos[key]
+        if not info.shape:
+            with self._open(info.file, framework="pt") as f:
+                out.copy_(f.get_tensor(key))
+            self._count(info, 1)
+            return
+        stop = info.shape[0] if stop is None else stop
+        row_bytes = math.prod(info.shape[1:]) * _ITEMSIZE.get(info.dtype, 8)
+        step = max(1, self.chunk_bytes // max(row_bytes, 1)) if info.dtype in _ITEMSIZE else 1
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            self._copy_chunk(info, key, a, b, out[a - start : b - start])
+
+    def _copy_chunk(self, info: TensorInfo, key: str, a: int, b: int, out: torch.Tensor) -> None:
+        # A fresh open per chunk: the view and the handle are the last references to the file's
+        # mapping, so the pages this read touched (resident while mapped) are released on return.
+        # Re-opening costs a header parse (about 1 ms per thousand keys), nothing next to the read.
+        with self._open(info.file, framework="pt") as f:
+            view = f.get_slice(key)[a:b]
+            out.copy_(view)
+            del view
+        self._count(info, (b - a) * math.prod(info.shape[1:]))
+
+    def _count(self, info: TensorInfo, elements: int) -> None:
+        self.bytes_read += elements * _ITEMSIZE.get(info.dtype, 0)
+        self.files_read.add(info.file.name)
+
+    def read(self, key: str, rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """A fresh tensor (checkpoint dtype) holding the row ranges ``rows`` (dim 0, concatenated) or all."""
+        info = self.infos[key]
+        shape = list(info.shape)
+        if rows is not None:
+            shape[0] = sum(b - a for a, b in rows)
+        out = torch.empty(shape, dtype=torch_dtype(info.dtype))
+        if rows is None:
+            self.copy_into(key, out)
+            return out
+        at = 0
+        for a, b in rows:
+            self.copy_into(key, out[at : at + b - a], a, b)
+            at += b - a
+        return out
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    table = {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    }  # fmt: skip
+    if table.get(name) is None:
+        raise CheckpointKeyError(f"checkpoint dtype {name} is not supported by the expert-parallel loader")
+    return table[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = sorted({model_dir / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointKeyError(f"{index} names shard files that do not exist: {', '.join(absent)}")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointKeyError(
+        f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}; the expert-parallel loader reads safetensors checkpoints"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# mapping checkpoint keys to module tensors
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """An expert parameter of an installed holder: this rank's experts (global ids, ascending) of ``num_experts``."""
+
+    experts: tuple[int, ...]
+    num_experts: int
+
+    @property
+    def count(self) -> int:
+        return len(self.experts)
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        """The local experts as ranges ``[a, b)`` of consecutive global rows, in local row order."""
+        ranges: list[tuple[int, int]] = []
+        for e in self.experts:
+            if ranges and ranges[-1][1] == e:
+                ranges[-1] = (ranges[-1][0], e + 1)
+            else:
+                ranges.append((e, e + 1))
+        return ranges
+
+
+@dataclass
+class LoadUnit:
+    """What fills one or more module tensors: one checkpoint key, or one transformers converter."""
+
+    targets: list[str]
+    key: str | None = None  # plain (possibly renamed) tensor
+    converter: object | None = None  # transformers WeightConverter
+    sources: dict[str, list[tuple[int | None, str]]] = field(default_factory=dict)  # pattern -> (expert, key)
+
+
+def expert_slices(model: nn.Module) -> dict[str, ExpertSlice]:
+    """Every per-expert parameter of the installed (expert-parallel) holders, by full name."""
+    out = {}
+    for path, module in model.named_modules():
+        binding = getattr(module, "hp_expert_parallel", None)
+        if binding is None:
+            continue
+        placement = binding.placement
+        for name in module.hp_layout.weight_names:
+            full = f"{path}.{name}" if path else name
+            out[full] = ExpertSlice(placement.local_experts, placement.num_experts)
+    return out
+
+
+def index_regex(source_pattern: str) -> re.Pattern[str] | None:
+    """The expert index in a per-expert key: the ``*`` of a converter source pattern (``experts.*.w1``)."""
+    if "*" not in source_pattern:
+        return None
+    return re.compile(source_pattern.removeprefix("^").replace("*.", r"(\d+)\.").replace("*", r"(\d+)"))
+
+
+def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[str, LoadUnit], list[str]]:
+    """Group checkpoint keys into load units (by first target name); also the unexpected keys."""
+    cml = core_model_loading()
+    rename_source_key, apply_renamings = cml.rename_source_key, cml.apply_renamings
+    renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, cml.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = model.state_dict(keep_vars=True)
+    prefix = model.base_model_prefix
+    units: dict[str, LoadUnit] = {}
+    unexpected: list[str] = []
+    for key in sorted(reader.infos, key=natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:  # as transformers: a key that should not have been renamed
+            renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if renamed not in meta:
+            unexpected.append(key)
+            continue
+        if pattern is None:
+            if renamed in units:
+                other = units[renamed].key or next(iter(units[renamed].sources.values()))[0][1]
+                raise CheckpointKeyError(f"{key} and {other} both map to {renamed}")
+            units[renamed] = LoadUnit([renamed], key=key)
+            continue
+        converter = by_pattern[pattern]
+        unit = units.get(renamed)
+        if unit is None:
+            first = converter.target_patterns[0]
+            targets = [
+                renamed.replace(first, t) if first in renamed else renamed for t in converter.target_patterns
+            ]
+            unit = units[renamed] = LoadUnit(targets, converter=converter)
+        elif unit.converter is not converter:
+            raise CheckpointKeyError(
+                f"{key} maps to {renamed}, which another checkpoint tensor fills already"
+            )
+        regex = index_regex(pattern)
+        index = None
+        if regex is not None:
+            found = regex.search(apply_renamings(key, renamings))
+            index = int(found.group(1)) if found else None
+        unit.sources.setdefault(pattern, []).append((index, key))
+    return units, unexpected
+
+
+def natural_key(key: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))

@@ -1,0 +1,44 @@
+"""Install an artifact's generated forwards on a model with real weights (no analysis re-run)."""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from ..codegen import Artifact, import_artifact
+from ..match import find_blocks
+from ..match.analysis import expert_placement
+from ..runtime import ExchangeRuntime, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
+            options: RuntimeOptions | None = None, shard: bool = True) -> list[str]:
+    """Install the artifact's forwards on ``model`` (real weights). Returns the patched block paths.
+
+    The model's MoE layers share one :class:`~hp_rewrite.runtime.ExchangeRuntime` (the deferred
+    expert-gradient queue and the micro-batch turn hook): ``exchange_runtimes(model)`` finds it."""
+    module = import_artifact(artifact)
+    runtime = ExchangeRuntime()
+    classes = artifact.manifest["classes"]
+    options = options or plan.runtime.to_options()
+    patched = []
+    for s in find_blocks(model):
+        if not (plan.matches(s.path, type(s.block).__name__) or plan.matches(s.experts_path, type(s.experts).__name__)):
+            continue
+        entry = classes.get(_qualname(type(s.experts)))
+        if entry is None:
+            continue  # unmatched when analysed: left untouched
+        install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard,
+                                placement=expert_placement(plan, s, ep), runtime=runtime)
+        s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
+        block_entry = classes.get(_qualname(type(s.block)))
+        if block_entry is not None and block_entry["archetype"]["level"] == "block":
+            s.block.hp_original_forward = s.block.forward
+            s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)
+        patched.append(s.path)
+    return patched

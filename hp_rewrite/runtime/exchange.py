@@ -1,0 +1,205 @@
+"""One token-exchange interface, two small implementations: one row per routed slot, or one per
+(token, destination rank).
+
+:func:`~.dispatch.dispatch` and :func:`~.dispatch.experts_and_combine` do what every exchange shares
+(capacity, chunking, the count exchange and its one host sync, running the local experts, starting
+the return exchange, the stats). A :class:`TokenExchange` does what differs: which rows a chunk sends
+and how many per destination, how received rows become the experts' batch, and how the expert outputs
+are weighted, sent back and summed per token. :func:`exchange_for` picks one per layer, once.
+
+* :class:`PerSlotExchange`: one row per kept slot, sorted by placement slot; the receiving rank
+  regroups them expert-major, and the sending rank does ``sum_k weight[t,k] * y[t,k]`` (one batched
+  matmul in the promoted dtype of outputs and weights).
+* :class:`DedupExchange` (``runtime.dedup``, ep > 1): one row per (token, rank) with a side tensor of
+  local expert ids and weights; the owning rank weights and sums its experts' outputs per row, and the
+  sending rank adds one partial per destination rank (see :mod:`.dedup`).
+
+The experts see the same rows in the same order either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from . import comm, dedup
+
+
+@dataclass
+class Chunk:
+    """One chunk of a layer's tokens, in flight between dispatch and combine.
+
+    send_splits / recv_splits: rows sent to / received from each rank (host ints).
+    local_counts: received rows per local expert, all sources.
+    exchanges: the dispatch exchanges in flight, one per tensor :meth:`TokenExchange.send` returned.
+    route: what the layer's :class:`TokenExchange` keeps to regroup and combine this chunk.
+    """
+
+    tokens: slice
+    send_splits: list[int]
+    recv_splits: list[int]
+    local_counts: list[int]
+    exchanges: list[comm.PendingExchange] = field(default_factory=list)
+    route: Any = None
+
+
+class TokenExchange(Protocol):
+    """The steps in which the per-slot and deduplicated exchanges differ."""
+
+    def plan(self, slots: torch.Tensor, num_local: int, ep_size: int) -> Any:
+        """Per chunk, before any count is known: ``slots [n,K]`` placement slots (``E`` when dropped)."""
+
+    def count_cells(self, per_dest: torch.Tensor, plans: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """From ``per_dest [chunks, ep, local]`` (slots per destination expert): rows sent to each rank
+        ``[chunks, ep]`` and the count cells the receivers get ``[chunks, ep, width]``."""
+
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:
+        """Bytes each dispatched row carries beside its hidden state."""
+
+    def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
+        """Rows received from each source rank, from its count cell."""
+
+    def send(
+        self, chunk: Chunk, plan: Any, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+        recv_counts: torch.Tensor, top_k: int, num_local: int, ep_size: int,
+    ) -> list[torch.Tensor]:
+        """Keep the chunk's route and return the tensors its dispatch sends, in the order the exchanges
+        start (``chunk.exchanges``). ``recv_counts [ep, width]``: the count cells received from each
+        source rank, on the device."""
+
+    def expert_rows(self, chunk: Chunk, top_k: int, num_local: int, hidden_size: int) -> tuple[torch.Tensor, Any]:
+        """Wait for the chunk's exchanges; return the rows expert-major (as ``chunk.local_counts`` groups them)
+        and what :meth:`returned_rows` needs."""
+
+    def returned_rows(self, chunk: Chunk, y: torch.Tensor, held: Any, top_k: int, weights_dtype: torch.dtype
+                      ) -> torch.Tensor:
+        """The rows to send back, from the experts' outputs ``y`` (one per expert-major row)."""
+
+    def combine(self, chunk: Chunk, back: torch.Tensor, weights: torch.Tensor, top_k: int, hidden_size: int
+                ) -> torch.Tensor:
+        """``[n, H]`` per token of the chunk, from the returned rows (``weights``: the chunk's ``[n, K]``)."""
+
+
+def _expert_major_positions(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
+    """For rows received in (source rank, local expert) order, their position in (expert, source) order."""
+    flat = recv_counts.reshape(-1)
+    src_major_end = flat.cumsum(0)
+    src_major_start = src_major_end - flat
+    em = recv_counts.t().reshape(-1)  # (expert, source) order
+    em_start = (em.cumsum(0) - em).view(recv_counts.shape[1], recv_counts.shape[0]).t().reshape(-1)
+    rows = torch.arange(total, device=recv_counts.device)
+    seg = torch.searchsorted(src_major_end, rows, right=True)
+    return em_start[seg] + rows - src_major_start[seg]
+
+
+@dataclass
+class _SlotRoute:
+    rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped excluded
+    to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1)
+
+
+class PerSlotExchange:
+    """One row per kept routed slot; the weighted sum happens on the sending rank."""
+
+    def plan(self, slots: torch.Tensor, num_local: int, ep_size: int) -> torch.Tensor:
+        return torch.sort(slots.reshape(-1), stable=True).indices
+
+    def count_cells(self, per_dest: torch.Tensor, plans: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_dest.sum(-1), per_dest
+
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:
+        return 0
+
+    def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
+        return [sum(cell) for cell in cells]
+
+    def send(self, chunk, plan, hidden, slots, weights, recv_counts, top_k, num_local, ep_size) -> list[torch.Tensor]:
+        rows = plan[: sum(chunk.send_splits)]
+        to_em = _expert_major_positions(recv_counts, sum(chunk.recv_splits)) if ep_size > 1 else None
+        chunk.route = _SlotRoute(rows, to_em)
+        return [hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))]
+
+    def expert_rows(self, chunk, top_k, num_local, hidden_size):
+        x = chunk.exchanges[0].wait()
+        to_em = chunk.route.to_expert_major
+        if to_em is not None:
+            order = torch.empty_like(to_em)
+            order[to_em] = torch.arange(len(order), device=order.device)
+            x = x.index_select(0, order)
+        return x, None
+
+    def returned_rows(self, chunk, y, held, top_k, weights_dtype):
+        to_em = chunk.route.to_expert_major
+        return y if to_em is None else y.index_select(0, to_em)
+
+    def combine(self, chunk, back, weights, top_k, hidden_size):
+        rows = chunk.route.rows
+        n_tok = chunk.tokens.stop - chunk.tokens.start
+        n_slots = n_tok * top_k
+        if len(rows) == n_slots:  # dropless: a gather back to (token, slot) order
+            inverse = torch.empty_like(rows)
+            inverse[rows] = torch.arange(n_slots, device=inverse.device)
+            slots = back.index_select(0, inverse)
+        else:  # dropped slots stay zero
+            slots = back.new_zeros((n_slots, hidden_size)).index_copy(0, rows, back)
+        dtype = torch.promote_types(slots.dtype, weights.dtype)
+        weighted = torch.bmm(weights.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, top_k, hidden_size))
+        return weighted.squeeze(1)
+
+
+@dataclass
+class _DedupRoute:
+    sent: dedup.SentRows  # the deduplicated rows
+
+
+class DedupExchange:
+    """One row per (token, destination rank); the owning rank weights and sums its experts' outputs."""
+
+    def plan(self, slots: torch.Tensor, num_local: int, ep_size: int) -> dedup.DedupRows:
+        return dedup.plan_rows(slots, num_local, ep_size)
+
+    def count_cells(self, per_dest: torch.Tensor, plans: list) -> tuple[torch.Tensor, torch.Tensor]:
+        # rows per destination are the tokens it gets, not the slots: one more count column
+        rows_per_dest = torch.stack([p.per_rank for p in plans])  # [chunks, ep]
+        return rows_per_dest, torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
+
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:  # each row carries weights and ids
+        return 2 * top_k * torch.finfo(dedup.side_dtype(weights_dtype)).bits // 8
+
+    def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
+        return [cell[num_local] for cell in cells]
+
+    def send(self, chunk, plan, hidden, slots, weights, recv_counts, top_k, num_local, ep_size) -> list[torch.Tensor]:
+        sent = dedup.sent_rows(plan, sum(chunk.send_splits), slots, weights, num_local)
+        chunk.route = _DedupRoute(sent)
+        send_x = hidden.index_select(0, sent.tokens)
+        if send_x.dtype == sent.side.dtype:  # one exchange: the side tensor as extra columns
+            return [torch.cat([send_x, sent.side], dim=1)]
+        return [sent.side, send_x]  # the side tensor in a second exchange, started first
+
+    def expert_rows(self, chunk, top_k, num_local, hidden_size):
+        x = chunk.exchanges[-1].wait()
+        if len(chunk.exchanges) == 1:
+            x, side = x[:, :hidden_size], x[:, hidden_size:]
+        else:
+            side = chunk.exchanges[0].wait()
+        pairs = dedup.pairs_of(side, top_k, num_local, sum(chunk.local_counts))
+        return x.index_select(0, torch.div(pairs, top_k, rounding_mode="floor")), (pairs, side)
+
+    def returned_rows(self, chunk, y, held, top_k, weights_dtype):
+        pairs, side = held
+        return dedup.weighted_rows(y, pairs, side, top_k, weights_dtype)
+
+    def combine(self, chunk, back, weights, top_k, hidden_size):
+        return dedup.sum_partials(back, chunk.route.sent, chunk.tokens.stop - chunk.tokens.start)
+
+
+PER_SLOT = PerSlotExchange()
+DEDUP = DedupExchange()
+
+
+def exchange_for(dedup_rows: bool, ep_size: int) -> TokenExchange:
+    """The exchange of a layer: deduplicated with ``runtime.dedup`` when there is more than one rank."""
+    return DEDUP if dedup_rows and ep_size > 1 else PER_SLOT

@@ -1,0 +1,24 @@
+"""tools/device_check.py runs on CPU at its small size (CI has no accelerator): parity passes, the
+benchmark rows and the JSON are written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "device_check.py"
+
+
+def test_device_check_on_cpu(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("device_check", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "device_check.json"
+    assert module.main(["--size", "small", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and [c["dtype"] for c in report["parity"]] == ["float32", "bfloat16"]
+    if report["device"] == "cpu":
+        assert all(c["kernels"][0]["backend"] == "grouped" for c in report["parity"])
+    assert set(report["bench"]) == {"hp", "hf-grouped", "dense"}
+    assert all(r["median_s"] > 0 for r in report["bench"].values())

@@ -1,0 +1,116 @@
+"""The house rules of the package, checked on its source: imports run down the layers, no circles,
+no module over 600 lines. docs/architecture.md draws the same layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hp_rewrite"
+
+#: bottom to top; a unit may import units of lower layers only (the root package holds only __version__)
+LAYERS = (
+    ("__init__", "errors", "launch"),
+    ("hf",),
+    ("kernels",),
+    ("runtime",),
+    ("plan",),
+    ("codegen",),
+    ("match",),
+    ("loading",),
+    ("training", "tiny", "rewrite", "verify", "apply"),
+    ("cost",),
+    ("cli",),
+)
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every hp_rewrite module ``name`` imports, at module level or inside functions."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "hp_rewrite":
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "hp_rewrite")
+    modules = _modules()
+    return {t for t in found if t in modules and t != name}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_unit_has_a_layer() -> None:
+    units = {_unit(m) for m in _modules()}
+    assert units <= set(LAYER_OF), f"add {sorted(units - set(LAYER_OF))} to LAYERS (and docs/architecture.md)"
+
+
+def test_imports_run_down_the_layers() -> None:
+    upward = []
+    for name, path in _modules().items():
+        src = _unit(name)
+        for target in _imports(name, path):
+            dst = _unit(target)
+            if dst != src and LAYER_OF.get(dst, -1) >= LAYER_OF.get(src, -1):
+                upward.append(f"{name} -> {target}")
+    assert not upward, "imports that run up (or across) a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circles() -> None:
+    graph = {name: _imports(name, path) for name, path in _modules().items()}
+    # a package's __init__ re-exporting its own modules is not a circle: drop edges from a module to its packages
+    graph = {n: {t for t in ts if not n.startswith(t + ".")} for n, ts in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
