@@ -79,6 +79,12 @@ def test_input_scaled_router_logits_keep_working(tmp_path: Path) -> None:
     assert getattr(b, "aux_loss", None) is None and getattr(a, "aux_loss", None) is None
 
 
+def test_forced_router_is_not_ignored_for_input_scaled_blocks(tmp_path: Path) -> None:
+    r = compare("llama4_text", str(tmp_path), archetype={"router": "softmax_topk"})
+    assert not r["patched"] and r["unmatched"], r
+    assert all("the plan asks for router: softmax_topk" in reason for reason in r["unmatched"])
+
+
 _EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SCALED_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 

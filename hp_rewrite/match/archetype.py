@@ -272,11 +272,14 @@ BLOCK_ROUTED = register_archetype(
 def _input_scaled_params(s: BlockStructure, probe: Probe):
     """Candidates for a routing-free holder: the router module returns (scores, logits) and the block
     scales the experts' input by the scores (Llama 4)."""
+    if probe.forced.get("router", "auto") != "auto":
+        return None  # a plan that names a router kind asks for output-side routing weights: not this archetype
     router = getattr(probe.block, s.router_name)
     top_k = getattr(router, "top_k", None) or getattr(probe.block, "top_k", None)
     if not isinstance(top_k, int):
         return None
-    modes = ["none"] if s.shared_name is None else ["additive"]
+    modes = [m for m in (["none"] if s.shared_name is None else ["additive"])
+             if probe.forced.get("shared", "auto") in ("auto", m)]
     return [input_scaled.Params(ROUTER=s.router_name, EXPERTS=s.experts_name, SHARED=s.shared_name, TOP_K=top_k,
                                 SHARED_MODE=mode, RETURNS_ROUTER_LOGITS=probe.returns_router_weights, FLAT_OUTPUT=flat)
             for mode in modes for flat in (False, True)]
