@@ -2,7 +2,8 @@
 
 Half of an expert GEMM's backward is its weight gradient ``x_e^T dy_e``, which nothing needs before
 the optimizer step. With the option on, the grouped GEMM's backward returns the input gradient at
-once and queues one weight-gradient job per (projection, local expert). The queue runs jobs while a
+once and queues one weight-gradient job per projection: the whole ``[E, in, out]`` gradient as one
+k-grouped GEMM, no per-expert loop. The queue runs jobs while a
 backward exchange is still in flight (:meth:`WeightGradQueue.fill_wait`, polled between jobs, so a
 rank that is not waiting does not stop to run them) and everything left at the end of backward
 (autograd's ``queue_callback``).
@@ -129,16 +130,10 @@ class DeferredGroupedMM(torch.autograd.Function):
         x, w_in_out, offsets = ctx.saved_tensors
         dy = dy.contiguous()
         dx = _grouped_mm()(dy, w_in_out.transpose(1, 2), offs=offsets)
-        weight = ctx.weight
-        if weight.grad is None:  # experts without rows keep a zero gradient, as autograd gives them
-            weight.grad = torch.zeros_like(weight)
-        grad = weight.grad  # the jobs add into this tensor, whenever they run
-        jobs, start = [], 0
-        for e, n in enumerate(ctx.counts):
-            if n:
-                jobs.append(_job(weight, grad, e, x[start : start + n], dy[start : start + n], ctx.transposed))
-            start += n
-        ctx.queue.add(jobs)
+        if sum(ctx.counts):  # the whole [E, in, out] weight gradient as one k-grouped GEMM
+            grouped_grad_sink(ctx.queue, ctx.weight, ctx.transposed)(lambda: _grouped_mm()(x.t(), dy, offs=offsets))
+        elif ctx.weight.grad is None:  # no rows here: a zero gradient, as autograd gives it
+            ctx.weight.grad = torch.zeros_like(ctx.weight)
         return dx, None, None, None, None, None, None
 
 
@@ -171,16 +166,3 @@ def grouped_grad_sink(
         queue.add([run])
 
     return sink
-
-
-def _job(
-    weight: nn.Parameter, grad: torch.Tensor, e: int, x_e: torch.Tensor, dy_e: torch.Tensor, transposed: bool
-) -> Callable[[], None]:
-    def run() -> None:
-        _check_grad(weight, grad)
-        if transposed:  # stored [in, out]
-            grad[e].addmm_(x_e.t(), dy_e)
-        else:  # stored [out, in]
-            grad[e].addmm_(dy_e.t(), x_e)
-
-    return run
