@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .kernels import npu_permute
 from .loading.local import load_expert_parallel
 from .plan import Plan
 from .runtime import build_expert_parallel_group, kernel_choice
+from .runtime.exchange import permutations_used
 
 FP32_TOL = 1e-5
 
@@ -57,15 +59,20 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
                 default=0.0)
     floor = max(1e-3 * scale, 1e-12)
     errors = {}
+    holders = {f"{path}.{w}" if path else w: h for path, h in model.named_modules()
+               if getattr(h, "hp_expert_parallel", None) is not None for w in h.hp_layout.weight_names}
     for name, p in model.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
         ref_grad = ref_params[name].grad
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        binding = getattr(owner, "hp_expert_parallel", None)
-        if binding is not None and name.rsplit(".", 1)[1] in owner.hp_layout.weight_names:
+        holder = holders.get(name)
+        if holder is not None:
             if ep.replica_group is not None:
                 dist.all_reduce(grad, group=ep.replica_group)
-            ref_grad = None if ref_grad is None else ref_grad[binding.placement.local_index]
+            layout, placement = holder.hp_layout, holder.hp_expert_parallel.placement
+            index = placement.local_index
+            if layout.zero_experts:  # with the zero experts' rows, which every rank keeps
+                index = list(layout.rows_of(name.rsplit(".", 1)[1], placement.local_experts, placement.num_experts))
+            ref_grad = None if ref_grad is None else layout.stored(layout.per_expert(ref_grad)[index])
         elif world > 1:
             dist.all_reduce(grad)
         errors[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad, floor)
@@ -108,6 +115,8 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     timings["ep_step_s"] = time.perf_counter() - t0
     result = {"patched": patched, "timings": timings,
               "kernels": kernel_choices(model, plan.runtime.compute, out.device.type, out.dtype),
+              "permutations": permutations_used(plan.runtime.dedup, plan.ep_size,
+                                                npu_permute.wanted(plan.runtime.compute, out.device.type)),
               "loaded_bytes": {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
     if ref is None:
         return result

@@ -41,6 +41,10 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
     (the non-final ones inside ``no_sync()`` when asked), optionally clipped by the plain
     ``clip_grad_norm_``, against the unmodified model stepped on the whole batch of each step."""
     torch.set_num_threads(1)
+    if payload.get("npu_standin"):  # the torch_npu stand-in on this rank's path only
+        from tests.npu_cases import use_standin
+
+        calls = use_standin().CALLS
     ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0).train()
     plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
@@ -81,6 +85,8 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
         out["digests"].append(digests)
     out["worst"], out["worst_name"] = _worst(model, ref, lambda p: p.detach())
     out["reductions"] = model.hp_rewrite.engine.reductions
+    if payload.get("npu_standin"):
+        out["npu_calls"] = dict(calls)
     return out
 
 

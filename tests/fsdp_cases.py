@@ -172,7 +172,7 @@ def dcp_resume(rank: int, world: int, payload: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    ref = build_tiny_model(tiny_config(payload.get("model_type", "qwen3_moe")), seed=0).train()
     out_dir = Path(payload["out_dir"])
     art = out_dir / "art"
     gen = torch.Generator().manual_seed(3)

@@ -9,6 +9,7 @@ the forward and after the backward.
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from pathlib import Path
 
@@ -68,3 +69,52 @@ def compare(case: dict, out_dir: str, rank: int, world: int) -> dict:
 def run_cases(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
     return {c["name"]: compare(c, payload["out_dir"], rank, world) for c in payload["cases"]}
+
+
+class _Experts(torch.nn.Module):
+    """A plain fused SwiGLU experts holder ([E, 2I, H] / [E, H, I], like transformers' default layout)."""
+
+    def __init__(self, n: int, h: int, i: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(n, 2 * i, h, generator=gen))
+        self.down_proj = torch.nn.Parameter(torch.randn(n, h, i, generator=gen))
+        self.act_fn = torch.nn.SiLU()
+
+
+def permutations_bit_exact(rank: int, world: int, payload: dict) -> dict:
+    """The same routed layer with the torch permutations and with the NPU permute ops (expert compute
+    eager in both): outputs and every gradient must be bit for bit equal."""
+    from hp_rewrite.runtime import RuntimeOptions, build_expert_parallel_group, dispatch, experts_and_combine
+    dispatch_module = importlib.import_module("hp_rewrite.runtime.dispatch")  # the module, not the function
+
+    torch_npu = use_standin()
+    torch.set_num_threads(1)
+    ep = build_expert_parallel_group(world)
+    experts, top_k, tokens, hidden_size = 8, 3, 24, 16
+    gen = torch.Generator().manual_seed(10 + rank)
+    holder = _Experts(experts // world, hidden_size, 8, gen)
+    hidden = torch.randn(tokens, hidden_size, generator=gen)
+    indices = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, generator=gen)
+    upstream = torch.randn(tokens, hidden_size, generator=gen)
+    results, calls = [], {}
+    for npu_ops in (False, True):
+        dispatch_module.npu_permute = _Wanted(npu_ops)  # the choice under test; the expert compute stays eager
+        torch_npu.CALLS.clear()
+        model = copy.deepcopy(holder)
+        h, w = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        opts = RuntimeOptions(dedup=False, compute="eager", chunks=payload["chunks"])
+        out = experts_and_combine(dispatch(h, indices, w, num_experts=experts, ep=ep, options=opts), model)
+        (out * upstream).sum().backward()
+        results.append([out.detach(), h.grad, w.grad, model.gate_up_proj.grad, model.down_proj.grad])
+        calls = dict(torch_npu.CALLS)
+    same = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    return {"bit_equal": same, "calls": calls}
+
+
+class _Wanted:
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def wanted(self, requested: str, device_type: str) -> bool:
+        return self.value

@@ -19,7 +19,7 @@ from hp_rewrite.verify import gradient_errors
 
 TOL = 1e-5
 REQUIRED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "deepseek_v2",
-                     "gpt_oss"]
+                     "gpt_oss", "dbrx"]  # dbrx: flat [E*I, H] expert weights in a child of the holder
 
 
 def plan_for(ep_size: int, archetype: dict | None = None, **runtime) -> object:

@@ -180,6 +180,9 @@ def test_switch_transformers_expert_modules(capsys, config_dirs) -> None:
     f = doc["non_contract"][0]
     assert f["structure"]["num_experts"] == 8 and f["structure"]["router"].endswith("router.classifier")
     assert "capacity" in f["reason"] and UNTOUCHED in f["reason"] and "data-parallel" in f["action"]
+    # the precise obstacles: per-expert Linear parameters (stacking renames them) and dropout inside each expert
+    assert "expert_0.wi.weight" in f["reason"] and "[8, ...] tensors" in f["reason"], f["reason"]
+    assert "dropout (p=0.1)" in f["reason"], f["reason"]
     assert main(["describe-moe", str(config_dirs("switch_transformers"))]) == 0
     assert "not supported" in capsys.readouterr().out
 

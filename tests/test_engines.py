@@ -34,6 +34,13 @@ DDP_CASES = {  # id: (world, payload)
     # sync_gradients after every micro-batch: the same as once at the end
     "ep2-loop-accum2-sync-each": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "accum": 2,
                                       "max_norm": 1.0, "engine": "loop", "sync_each": True}),
+    # Llama 4's block (router score on the experts' input: the input_scaled archetype) inside DDP
+    "ep2-llama4_text-sgd-lr1-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5,
+                                         "model_type": "llama4_text"}),
+    # the Ascend path (torch_npu stand-in: grouped SwiGLU, k-grouped dW deferred, NPU permute ops) inside DDP
+    "ep2-npu-per_slot-deferred-adamw-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3,
+                                                 "max_norm": 1.0, "npu_standin": True, "plan": (
+                                                     "runtime: {compute: npu, dedup: false, defer_expert_grads: true}\n")}),
 }
 
 
@@ -52,6 +59,10 @@ def test_ddp_steps_equal_unmodified_full_batch(case: str, tmp_path: Path) -> Non
         if payload.get("engine") != "loop":  # one expert reduction per backward that DDP synchronises
             per_step = 1 if payload.get("no_sync") else payload.get("accum", 1)
             assert r["reductions"] == payload["steps"] * per_step, r
+        if payload.get("npu_standin"):  # the NPU ops really ran, forward and backward
+            calls = r["npu_calls"]
+            assert calls["grouped_matmul_k"] > 0 and calls["swiglu_backward"] > 0, calls
+            assert calls["token_permute"] > 0 and calls["token_unpermute_backward"] > 0, calls
 
 
 def test_expert_grad_norms_are_global(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from hp_rewrite.runtime.context import ExchangeRuntime
 from hp_rewrite.runtime.deferred import WeightGradQueue
 from hp_rewrite.runtime.exchange import (
     DEDUP,
+    NPU_PER_SLOT,
     PER_SLOT,
     DedupExchange,
     PerSlotExchange,
@@ -33,12 +34,11 @@ RUNTIME = Path(__file__).resolve().parents[1] / "hp_rewrite" / "runtime"
 def test_the_exchange_is_chosen_once_per_layer() -> None:
     assert exchange_for(True, 2) is DEDUP and exchange_for(False, 2) is PER_SLOT
     assert exchange_for(True, 1) is PER_SLOT  # nothing to deduplicate on one rank
-    ep = ExpertParallelGroup(size=2)
-    binding = ExpertParallelBinding(ep, ExpertPlacement(4, 2, 0), RuntimeOptions())
-    assert isinstance(binding.exchange, DedupExchange)
-    plain = ExpertParallelBinding(ep, ExpertPlacement(4, 2, 0), RuntimeOptions(dedup=False))
-    assert isinstance(plain.exchange, PerSlotExchange)
-    for impl in (PER_SLOT, DEDUP):  # both implement every step of the protocol
+    # the NPU permute ops replace the per-slot exchange's permutations only; dedup has none to give them
+    assert exchange_for(False, 2, npu_ops=True) is NPU_PER_SLOT and exchange_for(True, 1, npu_ops=True) is NPU_PER_SLOT
+    assert exchange_for(True, 2, npu_ops=True) is DEDUP
+    assert isinstance(DEDUP, DedupExchange) and isinstance(NPU_PER_SLOT, PerSlotExchange)
+    for impl in (PER_SLOT, DEDUP, NPU_PER_SLOT):  # each implements every step of the protocol
         missing = [n for n in TokenExchange.__dict__ if not n.startswith("_") and not hasattr(impl, n)]
         assert not missing, (type(impl).__name__, missing)
 

@@ -111,6 +111,7 @@ DCP_CASES = {  # id: (ep, sharded) when saved; loads: (ep, sharded, over a (dp_r
     "saved-ep2-sharded": ((2, True), [(2, True, False), (4, True, False)]),
     "saved-ep4-sharded": ((4, True), [(2, True, True)]),
     "saved-ep2-ddp": ((2, False), [(4, True, False)]),
+    "dbrx-saved-ep2-ddp": ((2, False), [(4, True, False)], "dbrx"),  # flat [E*I, H] experts: rows, not experts
 }
 
 
@@ -119,8 +120,9 @@ def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: st
     """Save model + AdamW after one step, load into a fresh model and optimizer, take the second
     step: the weights equal the uninterrupted run's (bit for bit at the same EP size; at another the
     gradients are summed in another order)."""
-    (ep_save, shard_save), loads = DCP_CASES[case]
-    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "loads": loads}
+    (ep_save, shard_save), loads, *model_type = DCP_CASES[case]
+    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "loads": loads,
+               "model_type": (model_type or ["qwen3_moe"])[0]}
     r = run_world(4, "tests.fsdp_cases:dcp_resume", payload)[0]
     assert r["moved"] > 1e-3, r  # the steps changed every weight: the comparison means something
     for (ep, _, _), worst in zip(loads, r["worst"], strict=True):

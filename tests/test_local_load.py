@@ -36,8 +36,8 @@ from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
 from hp_rewrite.runtime import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded"]
-BALANCED = ["qwen3_moe", "gpt_oss", "granitemoe"]  # also loaded with the plan's balanced placement
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded", "dbrx"]
+BALANCED = ["qwen3_moe", "gpt_oss", "granitemoe", "dbrx"]  # also loaded with the plan's balanced placement
 MEMORY_SLACK = 1.15
 
 
@@ -94,10 +94,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _expert_owner(model, name: str):
-    path, _, attr = name.rpartition(".")
-    owner = model.get_submodule(path) if path else model
-    binding = getattr(owner, "hp_expert_parallel", None)
-    return binding if binding is not None and attr in owner.hp_layout.weight_names else None
+    """(binding, layout) of the holder of expert weight ``name`` (flat layouts: a path below it), else None."""
+    for path, m in model.named_modules():
+        binding = getattr(m, "hp_expert_parallel", None)
+        if binding is not None and name in {f"{path}.{w}" for w in m.hp_layout.weight_names}:
+            return binding, m.hp_layout
+    return None
 
 
 def _checkpoint_bytes(model_dir: Path) -> int:
@@ -203,13 +205,14 @@ def ep2_rank(rank: int, world: int, payload: dict) -> dict:
         full_state = full.state_dict()
         mismatched, expert_tensors, full_expert_bytes = [], 0, 0
         for name, tensor in model.state_dict().items():
-            binding = _expert_owner(model, name)
+            owner = _expert_owner(model, name)
             want = full_state[name]
-            if binding is not None:
+            if owner is not None:
+                binding, layout = owner
                 expert_tensors += 1
                 full_expert_bytes += want.numel() * want.element_size()
-                assert binding.placement.num_experts == want.shape[0]
-                want = want[binding.placement.local_index]
+                assert binding.placement.num_experts == layout.per_expert(want).shape[0]
+                want = layout.stored(layout.per_expert(want)[binding.placement.local_index])
             if tensor.shape != want.shape or not torch.equal(tensor, want):
                 mismatched.append(name)
         _fresh(model)

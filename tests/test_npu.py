@@ -155,25 +155,48 @@ def _check(results: list[dict]) -> None:
         for name, r in rank.items():
             assert r["worst_err"] <= r["tol"], (name, r["worst"], r["worst_err"])
             layers, calls, fwd = r["layers"], r["calls"], r["forward_calls"]
-            assert fwd == {"grouped_matmul_m": 2 * layers, **({"swiglu": layers} if "gpt_oss" not in name else {})}
+            # per layer: the dropless un-sort before the combine is npu_moe_token_unpermute; per slot at EP=2
+            # the received rows are sorted expert-major by npu_moe_token_permute and put back by unpermute
+            # (the deduplicated exchange, the default at EP=2, has no permutation to give the NPU ops)
+            per_slot_ep2 = "ep2" in name and "per-slot" in name
+            permute = {"token_permute": layers} if per_slot_ep2 else {}
+            unpermute = {"token_unpermute": (2 if per_slot_ep2 else 1) * layers} if "ep2" not in name or per_slot_ep2 \
+                else {}
+            swiglu = {"swiglu": layers} if "gpt_oss" not in name else {}
+            assert fwd == {"grouped_matmul_m": 2 * layers, **swiglu, **permute, **unpermute}, (name, fwd)
             assert calls["grouped_matmul_m"] == 4 * layers and calls["grouped_matmul_k"] == 2 * layers, name
             if "gpt_oss" not in name:  # npu_swiglu's own backward; gpt-oss keeps its clamped gate
                 assert calls["swiglu_backward"] == layers
+            # every permutation's gradient goes through the op's own backward
+            assert calls.get("token_permute_backward", 0) == permute.get("token_permute", 0), (name, calls)
+            assert calls.get("token_unpermute_backward", 0) == unpermute.get("token_unpermute", 0), (name, calls)
             assert r["deferred_jobs"] == (2 * layers if "defer" in name else 0)
 
 
 def _cases(ep_size: int, *specs) -> list[dict]:
-    return [{"name": f"ep{ep_size}-{m}-{d}" + ("-defer" if rt else ""), "model_type": m, "dtype": d,
-             "ep_size": ep_size, "runtime": {"defer_expert_grads": True} if rt else {}} for m, d, rt in specs]
+    suffix = {"defer": {"defer_expert_grads": True}, "per-slot": {"dedup": False}}
+    return [{"name": f"ep{ep_size}-{m}-{d}" + (f"-{rt}" if rt else ""), "model_type": m, "dtype": d,
+             "ep_size": ep_size, "runtime": suffix.get(rt, {})} for m, d, rt in specs]
 
 
 def test_whole_model_with_the_standin_ep1_and_ep2(tmp_path: Path) -> None:
     """One gloo world of 2 ranks: EP=1 cases (each rank holds every expert, two data-parallel replicas)
     and EP=2 cases; qwen3_moe fp32 at EP=2 without deferral is test_apply_verify_with_compute_npu."""
-    cases = _cases(1, ("qwen3_moe", "fp32", False), ("qwen3_moe", "bf16", False), ("qwen2_moe", "fp32", False),
-                   ("gpt_oss", "fp32", False))
-    cases += _cases(2, ("qwen3_moe", "fp32", True), ("qwen2_moe", "bf16", False), ("gpt_oss", "bf16", False))
+    cases = _cases(1, ("qwen3_moe", "fp32", ""), ("qwen3_moe", "bf16", ""), ("qwen2_moe", "fp32", ""),
+                   ("gpt_oss", "fp32", ""), ("gpt_oss", "bf16", ""))
+    cases += _cases(2, ("qwen3_moe", "fp32", "defer"), ("qwen2_moe", "bf16", ""), ("gpt_oss", "bf16", ""),
+                    ("qwen2_moe", "fp32", "per-slot"))
     _check(run_world(2, "tests.npu_cases:run_cases", {"out_dir": str(tmp_path), "cases": cases}))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_npu_permutations_are_bit_for_bit_the_torch_ones(chunks: int) -> None:
+    """At EP=2 per slot: the received rows sorted expert-major, returned, and un-sorted before the combine
+    by the NPU ops give exactly the torch path's outputs and gradients (hidden, router weights, experts)."""
+    for r in run_world(2, "tests.npu_cases:permutations_bit_exact", {"chunks": chunks}):
+        assert r["bit_equal"], r
+        assert r["calls"] == {"token_permute": chunks, "token_unpermute": 2 * chunks,
+                              "token_permute_backward": chunks, "token_unpermute_backward": 2 * chunks}, r
 
 
 def test_apply_verify_with_compute_npu(tmp_path: Path) -> None:
@@ -188,6 +211,7 @@ def test_apply_verify_with_compute_npu(tmp_path: Path) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "expert compute (rank 0, 2 block(s)): npu" in done.stdout
+    assert "row permutations (rank 0): torch - the deduplicated exchange" in done.stdout  # dedup: the default
     data = json.loads(report.read_text())
     assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5
     for rank in data["ranks"]:
@@ -219,3 +243,13 @@ def test_grouped_mm_alignment_padding_keeps_results_and_gradients(column_major) 
     ref.float().sum().backward()
     for a, b in zip(got, (ref.detach(), x.grad, stored.grad), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)  # bf16: per-expert mm vs grouped_mm order
+
+
+def test_npu_permutations_are_wanted_where_the_npu_ops_are(monkeypatch) -> None:
+    from hp_rewrite.kernels import npu_permute
+
+    assert not npu_permute.wanted("npu", "cpu")  # torch_npu does not import in this process
+    monkeypatch.setattr(npu_permute.npu, "available", lambda: True)
+    assert npu_permute.wanted("npu", "cpu") and npu_permute.wanted("auto", "npu")
+    assert not npu_permute.wanted("auto", "cpu") and not npu_permute.wanted("grouped", "npu")
+    assert not npu_permute.wanted("eager", "npu")

@@ -85,7 +85,19 @@ def test_forced_router_is_not_ignored_for_input_scaled_blocks(tmp_path: Path) ->
     assert all("the plan asks for router: softmax_topk" in reason for reason in r["unmatched"])
 
 
-_EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SCALED_FAMILIES]
+# Zero-computation (identity) experts (LongCat-Flash): ids >= the routed-expert count give w * x, taken
+# on the sending rank and never dispatched; the gate_up_proj rows they never read stay on every rank.
+ZERO_EXPERT_FAMILIES = ["longcat_flash"]
+
+
+@pytest.mark.parametrize("model_type", ZERO_EXPERT_FAMILIES)
+def test_zero_experts_match_unmodified(model_type: str, tmp_path: Path) -> None:
+    r = compare(model_type, str(tmp_path))
+    assert len(r["patched"]) == 2 and {a["layout"] for a in r["archetypes"]} == {"fused-zero-experts"}, r
+    assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
+
+
+_EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SCALED_FAMILIES + ZERO_EXPERT_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 
 

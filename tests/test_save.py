@@ -16,7 +16,8 @@ from hp_rewrite.tiny import make_tiny
 TOL = 1e-6  # safetensors-loaded storage may be unaligned: grouped GEMM then differs by ~1e-7
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+# dbrx: flat [E*I, H] experts; longcat_flash: zero experts' gate_up_proj rows, kept on every rank
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "dbrx", "longcat_flash"])
 def test_save_at_ep2_loads_in_plain_transformers_and_at_ep4(model_type: str, tmp_path: Path) -> None:
     original = make_tiny(model_type, tmp_path / "original")
     saved = tmp_path / "saved"
@@ -41,9 +42,10 @@ def test_save_at_ep2_loads_in_plain_transformers_and_at_ep4(model_type: str, tmp
         assert all(r["rel"] <= TOL for r in results), results
 
 
-def test_save_with_balanced_placement_restores_expert_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "dbrx"])
+def test_save_with_balanced_placement_restores_expert_order(model_type: str, tmp_path: Path) -> None:
     """Experts spread over the ranks by the plan's placement are written back in expert order."""
-    original = make_tiny("qwen3_moe", tmp_path / "original")
+    original = make_tiny(model_type, tmp_path / "original")
     plain = AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager")
     loads = {s.path: [(e % 2) * 100 + e for e in range(s.num_experts)] for s in find_blocks(plain)}
     plan = f"version: 1\nep_size: 2\nplacement:\n  strategy: balanced\n  loads: {json.dumps(loads)}\n"

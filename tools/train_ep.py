@@ -109,6 +109,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="eager")
     model.train()
     {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate, "fsdp2": fsdp2}[args.engine](model, args)
+    dist.barrier()  # no rank closes its connections while a peer still has one of the last collectives in flight
     dist.destroy_process_group()
 
 

@@ -126,6 +126,10 @@ def print_kernels(ranks: list[dict]) -> None:
                 seen.add(key)
                 console.print(f"expert compute (rank {rank}, {len(k['holders'])} block(s)): [bold]{k['backend']}[/]"
                               f" - {k['reason']}", highlight=False)
+        p = r.get("permutations")
+        if p and (p["backend"], p["reason"]) not in seen:
+            seen.add((p["backend"], p["reason"]))
+            console.print(f"row permutations (rank {rank}): [bold]{p['backend']}[/] - {p['reason']}", highlight=False)
 
 
 def print_verify(ranks: list[dict]) -> None:

@@ -287,7 +287,7 @@ def _activations(lay: MoELayerSpec, tokens: float, rows: float, act: int) -> flo
     routed = rows * (h + lay.routed.n_ff * lay.routed.intermediate)
     shared = tokens * lay.shared.n_ff * lay.shared.intermediate if lay.shared else 0.0
     elems = tokens * h + routed + tokens * lay.top_k * h + shared
-    return elems * act + tokens * lay.num_experts * 4
+    return elems * act + tokens * (lay.num_experts + lay.zero_experts) * 4
 
 
 def _memory(
@@ -299,6 +299,7 @@ def _memory(
         lay.router_params
         + (lay.shared.params / t if lay.shared else 0)
         + (lay.hidden + 1 if lay.shared_gate else 0)
+        + lay.zero_params  # the zero experts' unused rows, on every rank
     )
     return LayerMemory(
         expert * prec.param,
@@ -325,7 +326,7 @@ def layer_cost(
     knobs = knobs or Knobs()
     tokens, k, ep = work.tokens(par.cp), lay.top_k, par.ep
     loads = rank_loads(histogram, lay.num_experts, ep, tokens, k, knobs.capacity_factor,
-                       knobs.owners(lay.path, lay.num_experts, ep))
+                       knobs.owners(lay.path, lay.num_experts, ep), lay.zero_experts)
     r = loads.busiest_rank if rank is None else rank
     if not 0 <= r < ep:
         raise ValueError(f"rank {r} outside the EP group of {ep}")
@@ -333,7 +334,7 @@ def layer_cost(
     row_bytes = lay.hidden * prec.act
     dedup = knobs.dedup and ep > 1
     fwd = LayerFlops(
-        router=formulas.router_flops(tokens, lay.hidden, lay.num_experts),
+        router=formulas.router_flops(tokens, lay.hidden, lay.num_experts + lay.zero_experts),
         routed=formulas.expert_flops(rows, lay.routed, par.t_exp),
         # dedup: the owning rank weights and adds its received (row, expert) outputs
         combine=2.0 * rows * lay.hidden if dedup else formulas.combine_flops(tokens, k, lay.hidden),

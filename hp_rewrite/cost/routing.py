@@ -59,14 +59,26 @@ def fallback_reason(histogram, num_experts: int, ep: int) -> str:
     return ""
 
 
+def routed_share(histogram, num_experts: int, zero_experts: int) -> float:
+    """The share of routed slots that go to FFN experts, not to zero (identity) experts, which are
+    computed on the sending rank: the histogram's when it counts the zero experts' ids too, else uniform."""
+    if not zero_experts:
+        return 1.0
+    every = num_experts + zero_experts
+    if histogram is not None and len(histogram) >= every and sum(histogram[:every]) > 0:
+        return sum(histogram[:num_experts]) / sum(histogram[:every])
+    return num_experts / every
+
+
 def expert_counts(
-    histogram, num_experts: int, ep: int, tokens: float, top_k: int
+    histogram, num_experts: int, ep: int, tokens: float, top_k: int, zero_experts: int = 0
 ) -> tuple[tuple[float, ...], str]:
-    """Global slots per expert for the workload (``ep * tokens * top_k`` in all), and a fallback reason.
+    """Global slots per expert for the workload (``ep * tokens * top_k`` in all, less the zero experts'
+    share), and a fallback reason.
 
     Entries beyond ``num_experts`` are ignored (as in the seed).
     """
-    total = ep * tokens * top_k
+    total = ep * tokens * top_k * routed_share(histogram, num_experts, zero_experts)
     why = fallback_reason(histogram, num_experts, ep)
     if why:
         return tuple([total / num_experts] * num_experts), why
@@ -105,12 +117,14 @@ def rank_loads(
     top_k: int,
     capacity_factor: float | None = None,
     owners: tuple[tuple[int, ...], ...] | None = None,
+    zero_experts: int = 0,
 ) -> RankLoads:
     """Rows per EP rank for one layer, balanced when the histogram cannot be used.
 
     ``owners``: each rank's experts under the plan's placement (None: consecutive blocks).
+    ``zero_experts``: identity experts after the routed ones; their slots are never dispatched.
     """
-    counts, why = expert_counts(histogram, num_experts, ep, tokens, top_k)
+    counts, why = expert_counts(histogram, num_experts, ep, tokens, top_k, zero_experts)
     counts = apply_capacity(counts, ep, tokens, top_k, capacity_factor)
     if why:
         return RankLoads(tuple([sum(counts) / ep] * ep), "balanced", why)

@@ -68,6 +68,10 @@ class MoELayerSpec:
     router_params: int
     archetype: dict | None = None
     confirmed: str = "structural"
+    # identity experts after the routed ones (LongCat): their slots cost no expert FLOPs and no exchange
+    # bytes; zero_params: elements of their unused gate/up rows, which every rank keeps
+    zero_experts: int = 0
+    zero_params: int = 0
 
     @property
     def shared_overlaps_dispatch(self) -> bool:
@@ -93,6 +97,7 @@ class ModelSpec:
         return sum(
             lay.num_experts * lay.routed.params
             + lay.router_params
+            + lay.zero_params
             + (lay.shared.params if lay.shared else 0)
             + (lay.hidden + 1 if lay.shared_gate else 0)
             for lay in self.layers
@@ -115,13 +120,25 @@ def routed_shape(experts: nn.Module, num_experts: int) -> MLPShape:
     layout = experts_layout(experts)
     if layout is None:
         raise ValueError(f"{type(experts).__name__} is not an experts holder")
-    down = getattr(experts, layout.down)
-    hidden = down.shape[2] if layout.transposed else down.shape[1]
-    inter = down.shape[1] if layout.transposed else down.shape[2]
+    down, down_t = layout.weight(experts, layout.down), layout.transposed_of(layout.down)  # flat: [E, I, H]
+    hidden = down.shape[2] if down_t else down.shape[1]
+    inter = down.shape[1] if down_t else down.shape[2]
     mats = [layout.up, layout.down] + ([layout.gate] if layout.gate else [])
-    matmul = sum(getattr(experts, n).numel() for n in mats) // num_experts
-    params = sum(getattr(experts, n).numel() for n in layout.weight_names) // num_experts
+    matmul = sum(_per_expert(experts, layout, n) for n in mats)
+    params = sum(_per_expert(experts, layout, n) for n in layout.weight_names)
     return MLPShape(int(hidden), int(inter), int(matmul), int(params))
+
+
+def _per_expert(experts: nn.Module, layout, name: str) -> int:
+    """Elements of one expert's slice of weight ``name`` (zero experts' extra rows left out)."""
+    w = layout.weight(experts, name)
+    return w.numel() // w.shape[0]
+
+
+def zero_params(experts: nn.Module) -> int:
+    """Elements of the zero (identity) experts' unused rows (LongCat's extra ``gate_up_proj`` rows)."""
+    layout = experts_layout(experts)
+    return sum(_per_expert(experts, layout, n) * layout.zero_experts for n in layout.padded_names)
 
 
 def shared_shape(module: nn.Module, hidden: int) -> MLPShape:
@@ -163,6 +180,8 @@ def layer_spec(s: BlockStructure, config, archetype: dict | None, confirmed: str
         router_params=sum(p.numel() for p in router.parameters()) if router is not None else 0,
         archetype=archetype,
         confirmed=confirmed if archetype else "structural",
+        zero_experts=s.zero_experts,
+        zero_params=zero_params(s.experts),
     )
 
 

@@ -166,25 +166,39 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """An expert parameter of an installed holder: this rank's experts (global ids, ascending) of ``num_experts``."""
+    """An expert parameter of an installed holder: this rank's experts (global ids, ascending) of ``num_experts``.
+
+    ``per_row``: rows of dim 0 per expert (1; R for flat ``[E*R, C]`` weights such as DBRX's ``w1``).
+    """
 
     experts: tuple[int, ...]
     num_experts: int
+    per_row: int = 1
 
     @property
     def count(self) -> int:
         return len(self.experts)
 
     @property
+    def full_dim0(self) -> int:
+        """Dim 0 of the full (checkpoint) tensor."""
+        return self.num_experts * self.per_row
+
+    @property
+    def local_dim0(self) -> int:
+        """Dim 0 of this rank's tensor."""
+        return self.count * self.per_row
+
+    @property
     def rows(self) -> list[tuple[int, int]]:
-        """The local experts as ranges ``[a, b)`` of consecutive global rows, in local row order."""
+        """The local experts as ranges ``[a, b)`` of consecutive global rows (of dim 0), in local row order."""
         ranges: list[tuple[int, int]] = []
         for e in self.experts:
             if ranges and ranges[-1][1] == e:
                 ranges[-1] = (ranges[-1][0], e + 1)
             else:
                 ranges.append((e, e + 1))
-        return ranges
+        return [(a * self.per_row, b * self.per_row) for a, b in ranges]
 
 
 @dataclass
@@ -204,10 +218,11 @@ def expert_slices(model: nn.Module) -> dict[str, ExpertSlice]:
         binding = getattr(module, "hp_expert_parallel", None)
         if binding is None:
             continue
-        placement = binding.placement
-        for name in module.hp_layout.weight_names:
+        placement, layout = binding.placement, module.hp_layout
+        for name in layout.weight_names:
             full = f"{path}.{name}" if path else name
-            out[full] = ExpertSlice(placement.local_experts, placement.num_experts)
+            held = layout.rows_of(name, placement.local_experts, placement.num_experts)  # + zero experts' rows
+            out[full] = ExpertSlice(held, placement.num_experts + len(held) - placement.num_local, layout.flat or 1)
     return out
 
 

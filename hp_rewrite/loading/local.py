@@ -122,11 +122,12 @@ class _Filler:
             self._check(name, tuple(shape), f"checkpoint tensor {key}")
             self.reader.copy_into(key, out)
             return out
-        if not shape or shape[0] != sl.num_experts:
+        if not shape or shape[0] != sl.full_dim0:
             raise CheckpointKeyError(
-                f"checkpoint tensor {key} {shape} should hold {sl.num_experts} experts in dim 0 for {name}"
+                f"checkpoint tensor {key} {shape} should hold {sl.num_experts} experts ({sl.full_dim0} rows) in "
+                f"dim 0 for {name}"
             )
-        self._check(name, (sl.count, *shape[1:]), f"experts {_ranges(list(sl.experts))} of {key}")
+        self._check(name, (sl.local_dim0, *shape[1:]), f"experts {_ranges(list(sl.experts))} of {key}")
         at = 0
         for a, b in sl.rows:
             self.reader.copy_into(key, out[at : at + b - a], a, b)
@@ -230,7 +231,7 @@ class _Filler:
                     rows = None
                     if partial:
                         shape = self.reader.infos[key].shape
-                        if not shape or shape[0] != sl.num_experts:
+                        if not shape or shape[0] != sl.full_dim0:
                             raise CheckpointKeyError(
                                 f"checkpoint tensor {key} {list(shape)} should hold {sl.num_experts} experts in dim 0"
                             )

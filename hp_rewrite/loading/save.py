@@ -129,14 +129,17 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
                 if rank == 0:
                     written[name] = value.contiguous().clone()
             for path, holder in holders:
-                binding = holder.hp_expert_parallel
-                for w in holder.hp_layout.weight_names:
-                    local = _full(getattr(holder, w).detach())  # this EP rank's experts, whole
+                binding, layout = holder.hp_expert_parallel, holder.hp_layout
+                for w in layout.weight_names:
+                    local = _full(layout.param(holder, w).detach())  # this EP rank's experts, whole
                     if binding.ep.replica_rank != 0:
                         continue  # the first replica's EP group holds every expert once
-                    full = _gather_full(local, binding)
-                    if rank == 0:
-                        written[f"{path}.{w}"] = full
+                    tail = None  # the zero experts' rows after the local ones: the same on every rank
+                    if w in layout.padded_names:
+                        local, tail = local[: binding.placement.num_local], local[binding.placement.num_local :]
+                    full = _gather_full(layout.per_expert(local), binding)
+                    if rank == 0:  # flat layouts: back to the stored [E*R, C]
+                        written[f"{path}.{w}"] = layout.stored(full if tail is None else torch.cat([full, tail]))
             if rank == 0:
                 save_file(written, tmp / shard, metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(written, shard))
@@ -170,14 +173,18 @@ def load_full_checkpoints(model: nn.Module) -> None:
 
     def slice_experts(module, state_dict, prefix, *_):
         for path, holder in _holders(module):
-            placement = holder.hp_expert_parallel.placement
-            for w in holder.hp_layout.weight_names:
+            placement, layout = holder.hp_expert_parallel.placement, holder.hp_layout
+            for w in layout.weight_names:
                 key = f"{prefix}{path}.{w}"
-                t, local = state_dict.get(key), getattr(holder, w)
+                t, local = state_dict.get(key), layout.param(holder, w)
+                if w in layout.padded_names and t is not None and t.shape != local.shape:  # + zero experts' rows
+                    if t.shape[0] == placement.num_experts + layout.zero_experts and t.shape[1:] == local.shape[1:]:
+                        state_dict[key] = t[list(layout.rows_of(w, placement.local_experts, placement.num_experts))]
+                    continue
                 if t is not None and t.shape != local.shape and tuple(t.shape) == (
-                    placement.num_experts, *local.shape[1:]
+                    placement.num_experts * (layout.flat or 1), *local.shape[1:]
                 ):
-                    state_dict[key] = t[placement.local_index]
+                    state_dict[key] = layout.stored(layout.per_expert(t)[placement.local_index])
 
     model.register_load_state_dict_pre_hook(slice_experts)
 
@@ -195,7 +202,7 @@ def refuse_partial_adapter_state(model: nn.Module) -> None:
         holders = _holders(module)
         if not holders or all(h.hp_expert_parallel.ep.size == 1 for _, h in holders):
             return
-        weights = {id(getattr(h, w)) for _, h in holders for w in h.hp_layout.weight_names}
+        weights = {id(h.hp_layout.param(h, w)) for _, h in holders for w in h.hp_layout.weight_names}
         adapters = [f"{path}.{n}" if path else n for path, m in rank_local_modules(module)
                     for n, p in m.named_parameters() if id(p) not in weights]
         adapters = [n for n in adapters if f"{prefix}{n}" in state_dict]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,12 +82,16 @@ def layout_name(experts: nn.Module) -> str:
     parts = [layout.kind if layout.gated else "up-only"]
     if layout.kind == "fused" and getattr(experts, "is_concatenated", True) is False:
         parts.append("interleaved")
+    if layout.flat:
+        parts.append("flat")
     if layout.transposed:
         parts.append("transposed")
     if layout.up_bias or layout.down_bias:
         parts.append("bias")
     if layout.post_norm:
         parts.append("post-norm")
+    if layout.zero_experts:
+        parts.append("zero-experts")
     return "-".join(parts)
 
 
@@ -112,14 +116,16 @@ def materialize(module: nn.Module, seed: int = 0, memo: dict | None = None) -> n
 
 #: Expert intermediate widths tried for the probe, in order (see :func:`narrow_probe`).
 NARROW_WIDTHS = (16, 24, 12)
-_WIDTH_ATTRS = ("intermediate_size", "intermediate_dim", "moe_intermediate_size", "expert_dim", "ffn_dim")
+_WIDTH_ATTRS = ("intermediate_size", "intermediate_dim", "moe_intermediate_size", "expert_dim", "ffn_dim",
+                "ffn_hidden_size")
 
 
 def _narrow_shapes(experts: nn.Module, hidden: int) -> tuple[int, int, dict[str, tuple]] | None:
     """(full width, narrow width, narrow shape of each intermediate-sized parameter), or None."""
     layout = experts_layout(experts)
-    down_in, up_out = (1, 2) if layout.transposed else (2, 1)  # down [E, H, I], up [E, I or 2I, H]
-    width = getattr(experts, layout.down).shape[down_in]
+    down_in = 1 if layout.transposed_of(layout.down) else 2  # down [E, H, I]
+    up_out = 2 if layout.transposed else 1  # up [E, I or 2I, H]
+    width = layout.weight(experts, layout.down).shape[down_in]
     # a width equal to H (or half of it) could change the transposition read from the shapes
     narrow = next((w for w in NARROW_WIDTHS if w < width and hidden not in (w, 2 * w)), None)
     if narrow is None:
@@ -129,11 +135,11 @@ def _narrow_shapes(experts: nn.Module, hidden: int) -> tuple[int, int, dict[str,
     axes[layout.down] = down_in
     shapes = {}
     for name, axis in axes.items():
-        shape = list(getattr(experts, name).shape)
+        shape = list(layout.weight(experts, name).shape)
         if shape[axis] % width:
             return None
         shape[axis] = shape[axis] // width * narrow  # keeps 2I (fused gate/up) even: 2 * narrow
-        shapes[name] = tuple(shape)
+        shapes[name] = tuple(shape) if not layout.flat else (shape[0] * shape[1], *shape[2:])  # as stored
     return width, narrow, shapes
 
 
@@ -151,16 +157,19 @@ def narrow_probe(s: BlockStructure, seed: int = 0) -> tuple[nn.Module, int] | No
     if found is None:
         return None
     width, narrow, shapes = found
+    layout = experts_layout(s.experts)
     memo = {
-        id(getattr(s.experts, name)): nn.Parameter(torch.empty(shape, device="meta"))
+        id(layout.param(s.experts, name)): nn.Parameter(torch.empty(shape, device="meta"))
         for name, shape in shapes.items()
     }
     probe = materialize(s.block, seed, memo)
     experts = getattr(probe, s.experts_name)
-    for attr in _WIDTH_ATTRS:
-        if type(getattr(experts, attr, None)) is int and getattr(experts, attr) == width:
-            setattr(experts, attr, narrow)
-    if experts_layout(experts) != experts_layout(s.experts):
+    for m in experts.modules() if layout.flat else [experts]:  # flat: the weights' child reads the width too
+        for attr in _WIDTH_ATTRS:
+            if type(getattr(m, attr, None)) is int and getattr(m, attr) == width:
+                setattr(m, attr, narrow)
+    narrowed = experts_layout(experts)
+    if narrowed is None or replace(narrowed, flat=0) != replace(layout, flat=0):
         return None
     return probe, narrow
 
@@ -320,7 +329,8 @@ def _experts_probe(s: BlockStructure):
     """Random hidden states and routing for a direct call of the experts holder."""
     g = torch.Generator().manual_seed(2)
     h = torch.randn(10, s.hidden_size, generator=g)
-    r = softmax_topk(torch.randn(10, s.num_experts, generator=g), min(2, s.num_experts), renormalize=True)
+    total = s.num_experts + s.zero_experts  # zero experts' ids too: the probe confirms they are identity
+    r = softmax_topk(torch.randn(10, total, generator=g), min(2, total), renormalize=True)
     return h, r.indices, r.weights
 
 
@@ -395,7 +405,11 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     holder.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), holder)
     try:
         with torch.no_grad():
-            err = _rel(holder(*experts_in), experts_ref)
+            out = holder(*experts_in)
+            if isinstance(out, torch.Tensor) and isinstance(experts_ref, torch.Tensor) and \
+                    out.numel() == experts_ref.numel() and out.shape[-1] == experts_ref.shape[-1]:
+                out = out.reshape(experts_ref.shape)  # the same rows; DBRX's holder returns [T, 1, H] for [T, H]
+            err = _rel(out, experts_ref)
             ok, why = err <= PROBE_TOL, f"experts holder: generated forward differs from the original (rel err {err:.2e})"
             if ok and block_callable:
                 err = _rel(probe(x), ref)  # the block's own forward, now calling the expert-parallel holder
@@ -405,6 +419,10 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     if ok:
         result.archetype = Archetype("experts", "model", "model", layout, EXPERTS_ROUTED, experts_routed.Params())
         return result
+    if s.zero_experts:  # say what was assumed of the extra rows
+        why += (f" (ids {s.num_experts}..{s.num_experts + s.zero_experts - 1} taken as zero (identity) experts, "
+                f"w * x: {type(s.experts).__name__}'s {experts_layout(s.experts).up} holds {s.zero_experts} "
+                "experts more than its down projection)")
     result.tried.append(why)
     result.reason = "; ".join(result.tried)
     return result

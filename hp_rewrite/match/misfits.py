@@ -4,7 +4,8 @@ hp-rewrite leaves these untouched; each :class:`Misfit` says why and what the us
 
 * 3-D per-expert weights in a module that is not an experts holder (every failed check is named),
   or split over sub-modules holding one 3-D tensor each;
-* flat 2-D ``[E*I, H]`` expert weights;
+* flat 2-D ``[E*I, H]`` expert weights outside the flat layout the runtime shards (one gate/up/down
+  triple of one shape, the only parameters of a direct child of a holder: DBRX's ``mlp.w1/v1/w2``);
 * experts stored as separate sub-modules next to a router with one logit per expert (or with no
   router at all: experts chosen by another input);
 * embedding "experts" (rows selected by product keys);
@@ -248,13 +249,14 @@ def _contract_failures(module: nn.Module, model: nn.Module, path: str) -> list[t
     declared = _int_attr(getattr(module, "num_experts", None))
     if len(set(dims.values())) > 1:
         listing = ", ".join(f"{n} {d}" for n, d in dims.items())
-        low = min(dims.values())
         fails.append(
             (
                 "unequal-expert-dims",
-                f"its per-expert weights disagree on the number of experts (dim 0: {listing}): extra rows "
-                f"such as identity 'zero' experts (ids >= {low} computed as identity, not as an FFN), which "
-                "expert-parallel dispatch cannot shard",
+                f"its per-expert weights disagree on the number of experts (dim 0: {listing}), and not as "
+                "zero (identity) experts do, which hp-rewrite runs expert-parallel: only the gate/up weight "
+                "holding extra rows after the down weight's experts, in a holder whose forward "
+                "takes (hidden, top_k_index, top_k_weights) and whose num_experts, if any, counts the routed "
+                "experts or all of them",
             )
         )
     if declared is None:
@@ -272,7 +274,7 @@ def _contract_failures(module: nn.Module, model: nn.Module, path: str) -> list[t
             )
         )
     if layout is not None and declared is not None:
-        wrong = [n for n in layout.weight_names if getattr(module, n).shape[0] != declared]
+        wrong = [n for n in layout.weight_names if layout.weight(module, n).shape[0] != declared]
         if wrong:
             fails.append(
                 (
@@ -366,8 +368,10 @@ def _check_flat(model: nn.Module, path: str, m: nn.Module) -> Misfit | None:
     if parent is not None and (len(up) >= 3 or up_varargs):
         reason += (
             f"; the enclosing {type(parent).__name__}.forward({', '.join(up)}) has the experts call signature, "
-            f"but the runtime finds no 3-D expert weights on it to shard (they are in {path.rpartition('.')[2]}, "
-            f"read through {type(m).__name__}.forward({', '.join(own)}))"
+            f"but the runtime shards flat weights only as one gate/up/down triple of one shape (w1/v1/w2, "
+            f"w1/w3/w2 or gate_proj/up_proj/down_proj, no biases) that are the only parameters of a direct "
+            f"child of the holder (these are in {path.rpartition('.')[2]}, read through "
+            f"{type(m).__name__}.forward({', '.join(own)}))"
         )
     else:
         reason += f"; {type(m).__name__}.forward({', '.join(own)}) does not take (hidden, top_k_index, top_k_weights)"
@@ -434,6 +438,17 @@ def _check_expert_modules(model: nn.Module, path: str, m: nn.Module) -> Misfit |
         "capacity / one-hot dispatch, not an experts holder with 3-D weights and "
         "forward(hidden, top_k_index, top_k_weights)"
     )
+    weights = [k for k, _ in first.named_parameters()]
+    reason += (
+        f": each expert keeps its own parameters ({names[0]}.{weights[0]} ...), so sharding them means stacking "
+        f"them into [{count}, ...] tensors under new parameter and checkpoint names"
+    )
+    drops = sorted({d.p for d in first.modules() if isinstance(d, nn.Dropout) and d.p > 0})
+    if drops:
+        reason += (
+            f"; inside each expert a dropout (p={drops[0]:g}) draws its mask per expert call in training, in an "
+            "order and on a generator an expert-parallel run cannot reproduce"
+        )
     params = tuple((f"{names[0]}.{k}", _shape(p)) for k, p in first.named_parameters())
     facts = MisfitFacts(count, router, expert_class=type(first).__name__)
     return _finding("expert-modules", path, m, reason, params, facts)

@@ -12,8 +12,8 @@ _EXTENSION = "or write an archetype extension for it (a Python module named unde
 #: what the user can do, per kind of misfit (and for an unmatched experts holder)
 ACTIONS = {
     "unequal-expert-dims": (
-        f"{_DATA_PARALLEL}, {_EXTENSION} that computes the extra (identity) experts locally as w*x "
-        "and dispatches only ids below the routed-expert count"
+        f"{_DATA_PARALLEL}, {_EXTENSION} (or an adapter exposing the weights as gate_up_proj [E+Z, 2I, H] + "
+        "down_proj [E, H, I] with forward(hidden, top_k_index, top_k_weights) if the extra ids are identity experts)"
     ),
     "no-num-experts": f"{_DATA_PARALLEL}, {_EXTENSION}",
     "unknown-weight-names": (

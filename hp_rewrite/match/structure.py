@@ -1,8 +1,8 @@
 """Find MoE blocks by structure: experts holders, their routers, shared experts and shared gates.
 
 Nothing here looks at model names or reads transformers source text. An *experts holder* is a module
-with an integer ``num_experts`` and per-expert weights (dim 0 = experts) in a layout the runtime
-knows, whose forward takes ``(hidden, top_k_index, top_k_weights)``, or only ``hidden`` (a
+with an integer ``num_experts`` (or zero experts: :func:`routed_experts`) and per-expert weights
+(dim 0 = experts) in a layout the runtime knows, whose forward takes ``(hidden, top_k_index, top_k_weights)``, or only ``hidden`` (a
 routing-free holder: the block applies the routing, so only a block-level archetype can drive it). Its parent is the candidate
 *block*; the block's other children are classified by their parameter shapes.
 """
@@ -32,6 +32,7 @@ class BlockStructure:
     shared_gate_name: str | None = None
     others: list[str] = field(default_factory=list)  # children that fit no role (norms, projections...)
     routing_free: bool = False  # the holder's forward takes no routing (see routing_free())
+    zero_experts: int = 0  # identity experts after the routed ones (ids num_experts..), see routed_experts()
 
     @property
     def experts_path(self) -> str:
@@ -48,20 +49,34 @@ def _forward_params(module: nn.Module) -> list[inspect.Parameter]:
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout if ``module`` is an experts holder, else None: ``num_experts``, per-expert weights in
     a layout the runtime knows, and a forward that takes the routing (:func:`takes_routing`) or only
-    the hidden rows (:func:`routing_free`; driven by a block-level archetype only)."""
-    n = getattr(module, "num_experts", None)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return None
+    the hidden rows (:func:`routing_free`; driven by a block-level archetype only). Zero experts
+    (:func:`routed_experts`) need the routing: their ids arrive with it."""
     try:
         layout = ExpertsLayout.of(module)
-    except ExpertParallelError:
+    except (ExpertParallelError, IndexError):
         return None
-    weights = [getattr(module, name) for name in layout.weight_names]
-    if not all(w.dim() >= 2 and w.shape[0] == n for w in weights):
+    n = routed_experts(module, layout)
+    if n is None:
         return None
-    if not takes_routing(module) and not routing_free(module):
+    rows = {name: len(layout.rows_of(name, range(n), n)) for name in layout.weight_names}
+    if not all(w.dim() >= 2 and w.shape[0] == rows[name]
+               for name, w in ((name, layout.weight(module, name)) for name in layout.weight_names)):
+        return None
+    if not takes_routing(module) and (layout.zero_experts or not routing_free(module)):
         return None
     return layout
+
+
+def routed_experts(module: nn.Module, layout: ExpertsLayout) -> int | None:
+    """How many routed (FFN) experts the holder has: its int ``num_experts``, or None. With zero experts
+    (the up weight holds more experts than down, LongCat) it is down's count, which ``num_experts`` may
+    declare with or without the zero ones (or not at all); the probe confirms the extra ids are identity."""
+    n = getattr(module, "num_experts", None)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+    if not layout.zero_experts:
+        return n
+    routed = layout.weight(module, layout.down).shape[0]
+    return routed if n in (None, routed, routed + layout.zero_experts) else None
 
 
 def _positional(module: nn.Module) -> tuple[int, bool]:
@@ -84,8 +99,8 @@ def routing_free(module: nn.Module) -> bool:
 
 
 def _hidden_size(experts: nn.Module, layout: ExpertsLayout) -> int:
-    down = getattr(experts, layout.down)
-    return down.shape[2] if layout.transposed else down.shape[1]
+    down = layout.weight(experts, layout.down)
+    return down.shape[2] if layout.transposed_of(layout.down) else down.shape[1]
 
 
 def _is_router(module: nn.Module, num_experts: int, hidden: int) -> bool:
@@ -105,12 +120,13 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
     experts = getattr(block, experts_name)
     layout = experts_layout(experts)
     assert layout is not None
-    s = BlockStructure(path, block, experts_name, experts, experts.num_experts, _hidden_size(experts, layout),
-                       routing_free=not takes_routing(experts))
+    s = BlockStructure(path, block, experts_name, experts, routed_experts(experts, layout),
+                       _hidden_size(experts, layout), routing_free=not takes_routing(experts),
+                       zero_experts=layout.zero_experts)
     for name, child in block.named_children():
         if name == experts_name:
             continue
-        if s.router_name is None and _is_router(child, s.num_experts, s.hidden_size):
+        if s.router_name is None and _is_router(child, s.num_experts + s.zero_experts, s.hidden_size):
             s.router_name = name
         elif isinstance(child, nn.Linear) and child.out_features == 1 and child.in_features == s.hidden_size:
             s.shared_gate_name = name
@@ -124,15 +140,16 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
 def expert_count(module: nn.Module, name: str = "") -> int:
     """How many experts ``module`` holds, judged by structure in any layout; 0 when it holds none.
 
-    An experts holder that follows the contract (:func:`experts_layout`) holds ``num_experts``.
+    An experts holder that follows the contract (:func:`experts_layout`) holds its routed experts.
     Otherwise: a ModuleList / ModuleDict named ``*expert*`` (``name`` is its path) of at least two
     same-typed modules with weights, or a module (not a torch.nn built-in such as Conv1d) with direct
     3-D floating weights sharing a leading dimension of at least 2 (two or more of them, or one in a
     module or class named ``*expert*``; a declared ``num_experts`` among the leading sizes wins), or a
     module taking the routing contract that keeps its experts flat in a child (:func:`_flat_expert_count`).
     """
-    if experts_layout(module) is not None:
-        return module.num_experts
+    layout = experts_layout(module)
+    if layout is not None:
+        return routed_experts(module, layout)
     leaf = name.rsplit(".", 1)[-1].lower()
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         # per-expert modules: the children that have weights, all of one type (dropouts etc. aside)

@@ -2,7 +2,8 @@
 
 Applied to the routing decisions before any dispatch, so every code path (one-call, two-phase,
 chunked, sync or async, any ep) drops exactly the same slots. Dropped slots get expert id
-``num_experts`` (a sentinel that is never dispatched) and weight 0.
+``num_experts`` (a sentinel that is never dispatched) and weight 0; slots that hold it already (zero
+experts', see :mod:`.zero_experts`) stay as they are and count for no expert.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def apply_capacity(
         order = by_weight[torch.sort(flat_idx[by_weight], stable=True).indices]
     counts = count_per_expert(flat_idx, num_experts)
     starts = torch.cumsum(counts, 0) - counts
-    sorted_idx = flat_idx[order]
+    starts = torch.cat([starts, starts.new_zeros(1)])  # slots that hold the sentinel already (zero experts')
+    sorted_idx = flat_idx[order].clamp(max=num_experts)
     rank_in_expert = torch.arange(flat_idx.numel(), device=flat_idx.device) - starts[sorted_idx]
     keep = torch.empty_like(flat_idx, dtype=torch.bool)
     keep[order] = rank_in_expert < cap

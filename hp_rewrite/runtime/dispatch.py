@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels import npu_permute
 from . import comm
 from .capacity import apply_capacity, count_per_expert
 from .context import ExchangeRuntime
@@ -44,6 +45,7 @@ from .exchange import Chunk, TokenExchange, exchange_for
 from .experts import LocalBatch, holder_of, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
+from .zero_experts import split_zero_experts
 
 
 @dataclass
@@ -99,6 +101,7 @@ class RoutedDispatch:
     link: Link  # the EP group and what the exchanges do where they block
     weight_grads: WeightGradQueue | None  # where expert weight gradients queue (defer_expert_grads)
     done: bool = field(default=False)
+    identity: torch.Tensor | None = None  # [T, H] zero (identity) experts' weighted sum, taken locally
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
@@ -122,6 +125,7 @@ def dispatch(
     placement: ExpertPlacement | None = None,
     binding=None,
     runtime: ExchangeRuntime | None = None,
+    zero_experts: int = 0,
 ) -> RoutedDispatch:
     """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids).
 
@@ -129,15 +133,17 @@ def dispatch(
     which gives the others (what generated code passes). ``placement`` (default: consecutive
     experts per rank) must be the one the experts were sharded with. ``runtime``: the deferred-gradient
     queue and turn hook the exchanges get (default: the binding's, else one for this call only).
+    ``zero_experts``: ids ``num_experts ..`` up to ``num_experts + zero_experts`` are identity experts,
+    summed here as ``w * x`` and added at the combine (:mod:`.zero_experts`); the binding's by default.
     """
-    exchange = None
     if binding is not None:
         num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
-        exchange, runtime = binding.exchange, runtime if runtime is not None else binding.runtime
+        zero_experts = binding.zero_experts
+        runtime = runtime if runtime is not None else binding.runtime
     if num_experts is None or ep is None or options is None:
         raise TypeError("dispatch needs binding=, or num_experts=, ep= and options=")
-    if exchange is None:  # per slot or deduplicated: decided here once, not along the way
-        exchange = exchange_for(options.dedup, ep.size)
+    # per slot or deduplicated, torch or NPU permutations: decided here once, not along the way
+    exchange = exchange_for(options.dedup, ep.size, npu_permute.wanted(options.compute, hidden.device.type))
     if runtime is None:
         runtime = ExchangeRuntime()
     placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
@@ -150,6 +156,9 @@ def dispatch(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     num_tokens, top_k = indices.shape
     indices = indices.long()
+    identity = None
+    if zero_experts:  # ids >= num_experts are identity experts: computed here, never sent
+        indices, weights, identity = split_zero_experts(hidden, indices, weights, num_experts)
     if options.capacity_factor is not None:
         capped = apply_capacity(
             indices,
@@ -200,7 +209,7 @@ def dispatch(
     stats.bytes_received = stats.rows_received * row_bytes
     return RoutedDispatch(
         ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement,
-        exchange, link, runtime.queue_for(options, ep.size),
+        exchange, link, runtime.queue_for(options, ep.size), identity=identity,
     )
 
 
@@ -242,6 +251,8 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         for chunk, pending in zip(state.chunks, combines, strict=True)
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if state.identity is not None:
+        out = out + state.identity
     return out.to(state.hidden_dtype)
 
 

@@ -9,7 +9,8 @@ are weighted, sent back and summed per token. :func:`exchange_for` picks one per
 
 * :class:`PerSlotExchange`: one row per kept slot, sorted by placement slot; the receiving rank
   regroups them expert-major, and the sending rank does ``sum_k weight[t,k] * y[t,k]`` (one batched
-  matmul in the promoted dtype of outputs and weights).
+  matmul in the promoted dtype of outputs and weights). :class:`NpuPerSlotExchange` is the same with
+  its permutations on Ascend's token permute ops (``runtime.compute: npu``, or ``auto`` on an NPU).
 * :class:`DedupExchange` (``runtime.dedup``, ep > 1): one row per (token, rank) with a side tensor of
   local expert ids and weights; the owning rank weights and sums its experts' outputs per row, and the
   sending rank adds one partial per destination rank (see :mod:`.dedup`).
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..kernels import npu_permute
 from . import comm, dedup
 
 
@@ -94,10 +96,18 @@ def _expert_major_positions(recv_counts: torch.Tensor, total: int) -> torch.Tens
     return em_start[seg] + rows - src_major_start[seg]
 
 
+def _received_experts(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
+    """The local expert of each row received in (source rank, local expert) order."""
+    ends = recv_counts.reshape(-1).cumsum(0)
+    cell = torch.searchsorted(ends, torch.arange(total, device=recv_counts.device), right=True)
+    return cell % recv_counts.shape[1]
+
+
 @dataclass
 class _SlotRoute:
     rows: torch.Tensor  # slot ids (within the chunk) in dispatch order, dropped excluded
     to_expert_major: torch.Tensor | None  # recv row -> expert-major position (None when ep == 1)
+    received_expert: torch.Tensor | None = None  # NPU ops: each received row's local expert (ep > 1)
 
 
 class PerSlotExchange:
@@ -117,9 +127,11 @@ class PerSlotExchange:
 
     def send(self, chunk, plan, hidden, slots, weights, recv_counts, top_k, num_local, ep_size) -> list[torch.Tensor]:
         rows = plan[: sum(chunk.send_splits)]
-        to_em = _expert_major_positions(recv_counts, sum(chunk.recv_splits)) if ep_size > 1 else None
-        chunk.route = _SlotRoute(rows, to_em)
+        chunk.route = self._route(rows, recv_counts, sum(chunk.recv_splits), ep_size)
         return [hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))]
+
+    def _route(self, rows: torch.Tensor, recv_counts: torch.Tensor, received: int, ep_size: int) -> _SlotRoute:
+        return _SlotRoute(rows, _expert_major_positions(recv_counts, received) if ep_size > 1 else None)
 
     def expert_rows(self, chunk, top_k, num_local, hidden_size):
         x = chunk.exchanges[0].wait()
@@ -139,14 +151,39 @@ class PerSlotExchange:
         n_tok = chunk.tokens.stop - chunk.tokens.start
         n_slots = n_tok * top_k
         if len(rows) == n_slots:  # dropless: a gather back to (token, slot) order
-            inverse = torch.empty_like(rows)
-            inverse[rows] = torch.arange(n_slots, device=inverse.device)
-            slots = back.index_select(0, inverse)
+            slots = self._unsort(back, rows)
         else:  # dropped slots stay zero
             slots = back.new_zeros((n_slots, hidden_size)).index_copy(0, rows, back)
         dtype = torch.promote_types(slots.dtype, weights.dtype)
         weighted = torch.bmm(weights.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, top_k, hidden_size))
         return weighted.squeeze(1)
+
+    def _unsort(self, back: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Row ``i`` of ``back`` to position ``rows[i]`` (``rows``: a permutation)."""
+        inverse = torch.empty_like(rows)
+        inverse[rows] = torch.arange(len(rows), device=inverse.device)
+        return back.index_select(0, inverse)
+
+
+class NpuPerSlotExchange(PerSlotExchange):
+    """:class:`PerSlotExchange` whose reorderings that are permutations run on Ascend's
+    ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` (bit for bit the same rows and gradients;
+    what stays in torch and why: :mod:`hp_rewrite.kernels.npu_permute`)."""
+
+    def _route(self, rows, recv_counts, received, ep_size):
+        return _SlotRoute(rows, None, _received_experts(recv_counts, received) if ep_size > 1 else None)
+
+    def expert_rows(self, chunk, top_k, num_local, hidden_size):
+        x = chunk.exchanges[0].wait()
+        if chunk.route.received_expert is None:
+            return x, None
+        return npu_permute.sort_by_expert(x, chunk.route.received_expert)  # (rows, their order)
+
+    def returned_rows(self, chunk, y, held, top_k, weights_dtype):
+        return y if held is None else npu_permute.unsort(y, held)
+
+    def _unsort(self, back, rows):
+        return npu_permute.unsort(back, rows)
 
 
 @dataclass
@@ -197,9 +234,27 @@ class DedupExchange:
 
 
 PER_SLOT = PerSlotExchange()
+NPU_PER_SLOT = NpuPerSlotExchange()
 DEDUP = DedupExchange()
 
 
-def exchange_for(dedup_rows: bool, ep_size: int) -> TokenExchange:
-    """The exchange of a layer: deduplicated with ``runtime.dedup`` when there is more than one rank."""
-    return DEDUP if dedup_rows and ep_size > 1 else PER_SLOT
+def exchange_for(dedup_rows: bool, ep_size: int, npu_ops: bool = False) -> TokenExchange:
+    """The exchange of a layer: deduplicated with ``runtime.dedup`` when there is more than one rank;
+    per slot otherwise, its permutations on the NPU ops when ``npu_ops``
+    (:func:`hp_rewrite.kernels.npu_permute.wanted`)."""
+    if dedup_rows and ep_size > 1:
+        return DEDUP
+    return NPU_PER_SLOT if npu_ops else PER_SLOT
+
+
+def permutations_used(dedup_rows: bool, ep_size: int, npu_ops: bool) -> dict:
+    """Which ops reorder the layer's rows, and why (the apply report shows it)."""
+    exchange = exchange_for(dedup_rows, ep_size, npu_ops)
+    if exchange is NPU_PER_SLOT:
+        return {"backend": "npu", "reason": "npu_moe_token_permute / npu_moe_token_unpermute regroup and un-sort the "
+                                            "rows (bit for bit the torch reordering)"}
+    if npu_ops:
+        return {"backend": "torch", "reason": "the deduplicated exchange (runtime.dedup) has no permutation for the "
+                                              "NPU ops: a row serves several experts; dedup: false uses them"}
+    return {"backend": "torch", "reason": "index_select (the NPU permute ops: compute npu, or auto on an NPU)"}
+

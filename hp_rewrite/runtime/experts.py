@@ -25,6 +25,8 @@ from .errors import ExpertParallelError
 
 # Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).
 _SEPARATE_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# (gate, up, down) names of flat 2-D expert weights kept in a child of the holder (DBRX's mlp.w1/v1/w2)
+_FLAT_NAMES = (*_SEPARATE_NAMES, ("w1", "v1", "w2"))
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class ExpertsLayout:
     kind: ``fused`` (``gate_up_proj``, or ``up_proj`` when not gated, + ``down_proj``) or ``separate``
         (``gate_proj/up_proj/down_proj`` or ``w1/w3/w2``, each 3-D).
     transposed: weights stored ``[E, in, out]`` instead of ``[E, out, in]``.
+    flat: rows per expert of flat 2-D weights ``[E * flat, C]`` (E blocks ``[flat, C]`` stacked along
+        dim 0), whose names are paths below the holder (``mlp.w1``); 0 for 3-D ``[E, ...]`` weights.
+    down_transposed: the down projection's own orientation when it differs from ``transposed`` (flat
+        layouts: ``[I, H]`` blocks are read as ``x @ W.T`` by gate/up and as ``h @ W`` by down).
+    zero_experts: rows of the up weight beyond down's experts: ids ``>= num_experts`` are identity experts
+        (``w * x``), computed on the sending rank and never dispatched (:mod:`.zero_experts`).
     """
 
     kind: str
@@ -46,16 +54,90 @@ class ExpertsLayout:
     down_bias: str | None = None
     gate_bias: str | None = None
     post_norm: bool = False
+    flat: int = 0
+    down_transposed: bool | None = None
+    zero_experts: int = 0
 
     @property
     def weight_names(self) -> tuple[str, ...]:
         names = [n for n in (self.gate, self.up, self.down) if n]
         return tuple(names + [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b])
 
+    @property
+    def padded_names(self) -> tuple[str, ...]:
+        """Weights whose dim 0 holds the zero (identity) experts' rows after the routed experts' (LongCat's
+        ``gate_up_proj``): the forward never reads those rows, every rank keeps them (save/load round-trip)."""
+        return tuple(n for n in (self.up, self.up_bias) if n) if self.zero_experts else ()
+
+    def rows_of(self, name: str, experts, num_experts: int) -> tuple[int, ...]:
+        """Global dim-0 rows of weight ``name`` on a rank holding ``experts`` of ``num_experts`` routed ones."""
+        tail = range(num_experts, num_experts + self.zero_experts) if name in self.padded_names else ()
+        return (*experts, *tail)
+
+    def transposed_of(self, name: str) -> bool:
+        """Whether weight ``name`` is stored ``[in, out]`` per expert."""
+        if name == self.down and self.down_transposed is not None:
+            return self.down_transposed
+        return self.transposed
+
+    def param(self, module: nn.Module, name: str) -> torch.Tensor:
+        """The stored weight ``name`` (a path below the holder for flat layouts)."""
+        for part in name.split("."):
+            module = getattr(module, part)
+        return module
+
+    def set_param(self, module: nn.Module, name: str, value: nn.Parameter) -> None:
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, value)
+
+    def per_expert(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a weight, its gradient, a checkpoint tensor) with dim 0 = experts: flat ``[E*R, C]``
+        viewed as ``[E, R, C]``, a 3-D weight as it is."""
+        return t.unflatten(0, (-1, self.flat)) if self.flat else t
+
+    def stored(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`per_expert`: ``[E, R, C]`` back to the stored flat ``[E*R, C]``."""
+        return t.flatten(0, 1) if self.flat else t
+
+    def weight(self, module: nn.Module, name: str) -> torch.Tensor:
+        """Weight ``name`` of ``module`` as ``[E, ., .]`` for the grouped GEMMs."""
+        return self.per_expert(self.param(module, name))
+
+    def activation(self, module: nn.Module):
+        """The act_fn of the holder, or of the child holding flat weights (DBRX's ``activation_fn``)."""
+        owner = self.param(module, self.up.rpartition(".")[0]) if self.flat and "." in self.up else module
+        return next(getattr(m, a) for m in (module, owner) for a in ("act_fn", "activation_fn") if hasattr(m, a))
+
+    @classmethod
+    def flat_of(cls, module: nn.Module) -> ExpertsLayout | None:
+        """The layout of a holder (an int ``num_experts``) whose expert weights are flat 2-D ``[E*R, C]``
+        tensors of one shape in a direct child (gate, up, down; no biases), its only parameters; None
+        otherwise. One shape for all three means gate/up read ``x @ W_e.T`` and down ``h @ W_e`` (W_e
+        ``[R, C]``, C = hidden)."""
+        n = getattr(module, "num_experts", None)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or len(list(module.parameters())) != 3:
+            return None
+        for prefix, child in module.named_children():
+            params = dict(child.named_parameters(recurse=False))
+            for names in _FLAT_NAMES:
+                weights = [params.get(x) for x in names]
+                if any(w is None or w.dim() != 2 for w in weights) or len({tuple(w.shape) for w in weights}) != 1:
+                    continue
+                rows = weights[0].shape[0]
+                if rows % n or rows == n:
+                    continue
+                gate, up, down = (f"{prefix}.{x}" for x in names)
+                return cls("separate", up, down, gate, True, False, flat=rows // n, down_transposed=True)
+        return None
+
     @classmethod
     def of(cls, module: nn.Module) -> ExpertsLayout:
         """Read the layout from the module's parameters and its ``use_experts_implementation`` flags."""
         params = dict(module.named_parameters(recurse=False))
+        if not params:
+            flat = cls.flat_of(module)
+            if flat is not None:
+                return flat
 
         def bias(name: str) -> str | None:
             return f"{name}_bias" if f"{name}_bias" in params else None
@@ -104,6 +186,7 @@ class ExpertsLayout:
             bias("down_proj"),
             None,
             bool(getattr(module, "has_post_expert_norm", False)),
+            zero_experts=max(0, params[up].shape[0] - params["down_proj"].shape[0]),
         )
 
 
@@ -233,7 +316,7 @@ def kernel_choice(requested: str, module: nn.Module, device_type: str, dtype: to
     ``device_type``, and why (the report and ``describe-moe`` show it). ``weight_dtype`` overrides the
     weights' own dtype (a model built on meta in another dtype than it will run in)."""
     layout = layout or ExpertsLayout.of(module)
-    weights = [getattr(module, n) for n in (layout.gate, layout.up, layout.down) if n]
+    weights = [layout.weight(module, n) for n in (layout.gate, layout.up, layout.down) if n]
     dims = tuple(sorted({d for w in weights for d in w.shape[1:]}))
     problem = KernelProblem(device_type, dtype, weights[0].shape[0], dims, weight_dtype or weights[0].dtype)
     return kernels.choose(requested, problem)
@@ -262,7 +345,7 @@ def _gate_of(module: nn.Module, layout: ExpertsLayout, kind: str):
     if kind == "npu" and plain_swiglu(module, layout):
         return npu.npu_swiglu
     if not layout.gated:
-        return module.act_fn
+        return layout.activation(module)
     return module._apply_gate if hasattr(module, "_apply_gate") else functools.partial(_default_gate, module)
 
 
@@ -272,7 +355,9 @@ def local_experts_forward(
     """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert."""
     layout = layout or ExpertsLayout.of(module)
     x = batch.hidden
-    up = getattr(module, layout.up)
+    up = layout.weight(module, layout.up)
+    if layout.zero_experts:  # the zero experts' rows after the local ones are never computed
+        up = up[: len(batch.counts)]
     choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout)
     if choice.backend is None:
         raise ExpertParallelError(choice.reason)
@@ -296,20 +381,20 @@ def local_experts_forward(
     gate = _gate_of(module, layout, kind)
     if layout.kind == "separate":
         g = _project(
-            batch, x, getattr(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows,
+            batch, x, layout.weight(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows,
             f"{owner}.{layout.gate}",
         )
         u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
         if hasattr(module, "_apply_gate") or gate is npu.npu_swiglu:
             h = gate(torch.cat([g, u], dim=-1))
         else:
-            h = module.act_fn(g) * u
+            h = layout.activation(module)(g) * u
     else:
         h = gate(_project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows,
                           f"{owner}.{layout.up}"))
     y = _project(
-        batch, h, getattr(module, layout.down), bias(layout.down_bias), layout.transposed, kind, rows,
-        f"{owner}.{layout.down}",
+        batch, h, layout.weight(module, layout.down), bias(layout.down_bias), layout.transposed_of(layout.down),
+        kind, rows, f"{owner}.{layout.down}",
     )
     if layout.post_norm:
         y = module.post_expert_norm(y)
@@ -329,12 +414,14 @@ def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
     keep = list(keep)
     layout = ExpertsLayout.of(module)
     for name in layout.weight_names:
-        p = getattr(module, name)
-        if p.shape[0] != num_experts:
+        p = layout.param(module, name)
+        w = layout.per_expert(p.detach())  # flat [E*R, C]: the rows [e*R, (e+1)*R) of each kept expert e
+        held = list(layout.rows_of(name, keep, num_experts))  # + the zero experts' rows, on every rank
+        if w.shape[0] != num_experts + len(held) - len(keep):
             raise ExpertParallelError(
-                f"{type(module).__name__}.{name} has {p.shape[0]} rows in dim 0, expected num_experts={num_experts}"
+                f"{type(module).__name__}.{name} has {w.shape[0]} experts in dim 0, expected num_experts={num_experts}"
             )
-        rows = p.detach()[keep[0] : keep[-1] + 1] if keep == list(range(keep[0], keep[-1] + 1)) else p.detach()[keep]
-        setattr(module, name, nn.Parameter(rows.clone(), requires_grad=p.requires_grad))
+        rows = w[held[0] : held[-1] + 1] if held == list(range(held[0], held[-1] + 1)) else w[held]
+        layout.set_param(module, name, nn.Parameter(layout.stored(rows).clone(), requires_grad=p.requires_grad))
     if hasattr(module, "num_experts"):
         module.num_experts = len(keep)

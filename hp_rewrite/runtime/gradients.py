@@ -37,7 +37,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     params = []
     for module in model.modules():
         if getattr(module, "hp_expert_parallel", None) is not None:
-            params.extend(getattr(module, name) for name in module.hp_layout.weight_names)
+            params.extend(module.hp_layout.param(module, name) for name in module.hp_layout.weight_names)
     return params
 
 

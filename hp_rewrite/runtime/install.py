@@ -24,7 +24,6 @@ from torch import nn
 from .context import ExchangeRuntime
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
-from .exchange import TokenExchange, exchange_for
 from .experts import ExpertsLayout, LocalBatch, holder_of, local_experts_forward, shard_experts
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -39,10 +38,7 @@ class ExpertParallelBinding:
     options: RuntimeOptions
     # the deferred-gradient queue and turn hook its exchanges get (the model's, shared by its layers)
     runtime: ExchangeRuntime = field(default_factory=ExchangeRuntime, compare=False, repr=False)
-    exchange: TokenExchange = field(init=False, compare=False, repr=False)  # chosen once per layer
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "exchange", exchange_for(self.options.dedup, self.ep.size))
+    zero_experts: int = 0  # identity experts after the routed ones: computed locally, never dispatched
 
     @property
     def num_experts(self) -> int:
@@ -55,7 +51,8 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
     if isinstance(hidden, LocalBatch):
         return local_experts_forward(self, hidden, self.hp_layout)
     state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
-    return experts_and_combine(state, self, via_call=False)
+    out = experts_and_combine(state, self, via_call=False)
+    return out.view(hidden.shape) if hidden.dim() > 2 else out  # [B, S, H] in, [B, S, H] out (DBRX)
 
 
 def binding_of(experts: nn.Module) -> ExpertParallelBinding:
@@ -97,7 +94,8 @@ def install_expert_parallel(
     if shard and ep.size > 1:
         shard_experts(experts, num_experts, placement.local_experts)
     experts.hp_layout = layout
-    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime())
+    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime(),
+                                                       layout.zero_experts)
     experts.hp_original_forward = experts.forward
     experts.forward = types.MethodType(expert_parallel_forward, experts)
     return experts

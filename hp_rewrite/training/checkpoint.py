@@ -47,6 +47,12 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
                 f"checkpoint: {path} uses a balanced expert placement; a distributed checkpoint stores experts in "
                 "expert order. Use placement: contiguous to save and resume with DCP"
             )
+        if holder.hp_layout.zero_experts and binding.ep.size * binding.ep.replica_size > 1:
+            raise ExpertParallelError(
+                f"checkpoint: {path} keeps its zero (identity) experts' {', '.join(holder.hp_layout.padded_names)} "
+                "rows on every rank, which a distributed checkpoint's global view cannot express; save with "
+                "hp_rewrite.save_pretrained(model, dir) (and Trainer: hp_rewrite.prepare_trainer) instead"
+            )
         for w in holder.hp_layout.weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
@@ -70,9 +76,14 @@ def _view_mesh(model: nn.Module) -> DeviceMesh | None:
     return DeviceMesh(ep.mesh.device_type, ranks, mesh_dim_names=(names[-1], *names[:-1]), _init_backend=False)
 
 
+def _dim0(holder: nn.Module) -> int:
+    """Dim 0 of a full expert weight: the experts, or their rows for flat ``[E*R, C]`` layouts (DBRX)."""
+    return holder.hp_expert_parallel.num_experts * (holder.hp_layout.flat or 1)
+
+
 def _global_view(t: torch.Tensor, num_experts: int, mesh: DeviceMesh | None) -> torch.Tensor:
     """This rank's experts (a plain tensor, or FSDP2's DTensor over the expert-replica dimensions) as
-    its part of the global ``[num_experts, ...]`` tensor; shares the rank's storage."""
+    its part of the global ``[num_experts, ...]`` tensor (``num_experts``: its dim 0); shares the rank's storage."""
     if mesh is None:  # one process: the local tensor is the global one
         return t
     if isinstance(t, DTensor):  # its placements follow the expert-replica dimensions, in mesh order
@@ -91,7 +102,7 @@ def _views(model: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
     mesh = _view_mesh(inner)
     model_sd = get_model_state_dict(inner)
     for name, holder in experts.items():
-        model_sd[name] = _global_view(model_sd[name], holder.hp_expert_parallel.num_experts, mesh)
+        model_sd[name] = _global_view(model_sd[name], _dim0(holder), mesh)
     if optimizer is None:
         return model_sd, None
     optim_sd = get_optimizer_state_dict(inner, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
@@ -99,7 +110,7 @@ def _views(model: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
         holder = experts.get(name)
         if holder is None:
             continue
-        n = holder.hp_expert_parallel.num_experts
+        n = _dim0(holder)
         # a new dict: the optimizer's own per-parameter state dict must keep its tensors
         optim_sd["state"][name] = {k: _global_view(v, n, mesh) if torch.is_tensor(v) and v.dim() else v
                                    for k, v in state.items()}

@@ -85,3 +85,73 @@ def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's own parameter name
     assert input.shape[dim] % 2 == 0
     CALLS["swiglu"] += 1
     return _SwiGLU.apply(input, dim)
+
+
+# npu_moe_token_permute / npu_moe_token_unpermute: the reference semantics MindSpeed and Megatron give for the
+# fused ops. permute: the flattened ``indices [T, K]`` sorted stably, ``sorted_indices`` = that argsort (int32),
+# row i = tokens[sorted_indices[i] // K], cut to ``num_out_tokens``. unpermute: row sorted_indices[i] of a
+# zero [T*K, H] gets permuted[i]; with probs [T, K] each token sums its K rows times probs (K = 1 without).
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, indices, num_out_tokens):
+        top_k = 1 if indices.dim() == 1 else indices.shape[1]
+        sorted_indices = torch.sort(indices.reshape(-1), stable=True).indices
+        if num_out_tokens is not None:
+            sorted_indices = sorted_indices[:num_out_tokens]
+        ctx.save_for_backward(sorted_indices)
+        ctx.top_k, ctx.num_tokens = top_k, tokens.shape[0]
+        permuted = tokens.index_select(0, torch.div(sorted_indices, top_k, rounding_mode="floor"))
+        sorted_indices = sorted_indices.to(torch.int32)
+        ctx.mark_non_differentiable(sorted_indices)
+        return permuted, sorted_indices
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        CALLS["token_permute_backward"] += 1
+        (sorted_indices,) = ctx.saved_tensors
+        slots = grad.new_zeros((ctx.num_tokens * ctx.top_k, grad.shape[-1])).index_copy(0, sorted_indices, grad)
+        return slots.view(ctx.num_tokens, ctx.top_k, -1).sum(1), None, None
+
+
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    assert not padded_mode, "padded_mode=True is not supported"
+    assert tokens.dim() == 2 and indices.dim() in (1, 2) and indices.shape[0] == tokens.shape[0], (tokens.shape,
+                                                                                                  indices.shape)
+    assert not indices.is_floating_point(), "indices: integer expert ids"
+    CALLS["token_permute"] += 1
+    return _Permute.apply(tokens, indices, num_out_tokens)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, sorted_indices, probs):
+        top_k = 1 if probs is None else probs.shape[1]
+        rows = permuted.shape[0] if probs is None else probs.numel()
+        index = sorted_indices.long()
+        ctx.save_for_backward(index, permuted if probs is not None else None, probs)
+        ctx.top_k = top_k
+        out = permuted.new_zeros((rows, permuted.shape[-1])).index_copy(0, index, permuted)
+        out = out.view(-1, top_k, permuted.shape[-1])
+        if probs is not None:
+            out = out * probs.unsqueeze(-1)
+        return out.sum(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        CALLS["token_unpermute_backward"] += 1
+        index, permuted, probs = ctx.saved_tensors
+        slots = grad.unsqueeze(1).expand(-1, ctx.top_k, -1)
+        grad_probs = None
+        if probs is not None:
+            unsorted = permuted.new_zeros((probs.numel(), permuted.shape[-1])).index_copy(0, index, permuted)
+            grad_probs = (unsorted.view_as(slots) * slots).sum(-1).to(probs.dtype)
+            slots = slots * probs.unsqueeze(-1)
+        return slots.reshape(-1, grad.shape[-1]).index_select(0, index), None, grad_probs
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    assert not padded_mode and restore_shape is None, "padded_mode / restore_shape are not supported"
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.dim() == 1, "sorted_indices: 1-D int32"
+    assert sorted_indices.shape[0] == permuted_tokens.shape[0], (sorted_indices.shape, permuted_tokens.shape)
+    CALLS["token_unpermute"] += 1
+    return _Unpermute.apply(permuted_tokens, sorted_indices, probs)
