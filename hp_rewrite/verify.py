@@ -19,7 +19,7 @@ from torch import nn
 from .kernels import npu_permute
 from .loading.local import load_expert_parallel
 from .plan import Plan
-from .runtime import build_expert_parallel_group, kernel_choice
+from .runtime import build_expert_parallel_group, expert_weights, kernel_choice, local_rows
 from .runtime.exchange import permutations_used
 
 FP32_TOL = 1e-5
@@ -59,20 +59,14 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
                 default=0.0)
     floor = max(1e-3 * scale, 1e-12)
     errors = {}
-    holders = {f"{path}.{w}" if path else w: h for path, h in model.named_modules()
-               if getattr(h, "hp_expert_parallel", None) is not None for w in h.hp_layout.weight_names}
+    weights = expert_weights(model)
     for name, p in model.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
         ref_grad = ref_params[name].grad
-        holder = holders.get(name)
-        if holder is not None:
+        if name in weights:
             if ep.replica_group is not None:
                 dist.all_reduce(grad, group=ep.replica_group)
-            layout, placement = holder.hp_layout, holder.hp_expert_parallel.placement
-            index = placement.local_index
-            if layout.zero_experts:  # with the zero experts' rows, which every rank keeps
-                index = list(layout.rows_of(name.rsplit(".", 1)[1], placement.local_experts, placement.num_experts))
-            ref_grad = None if ref_grad is None else layout.stored(layout.per_expert(ref_grad)[index])
+            ref_grad = None if ref_grad is None else local_rows(*weights[name], ref_grad)
         elif world > 1:
             dist.all_reduce(grad)
         errors[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad, floor)

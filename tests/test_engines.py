@@ -37,6 +37,11 @@ DDP_CASES = {  # id: (world, payload)
     # Llama 4's block (router score on the experts' input: the input_scaled archetype) inside DDP
     "ep2-llama4_text-sgd-lr1-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5,
                                          "model_type": "llama4_text"}),
+    # flat [E*I, H] expert weights in a child of the holder (DBRX) and zero-computation experts (LongCat-Flash)
+    "ep2-dbrx-sgd-lr1-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5,
+                                  "model_type": "dbrx"}),
+    "ep2-longcat_flash-adamw-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3,
+                                         "max_norm": 1.0, "model_type": "longcat_flash"}),
     # the Ascend path (torch_npu stand-in: grouped SwiGLU, k-grouped dW deferred, NPU permute ops) inside DDP
     "ep2-npu-per_slot-deferred-adamw-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3,
                                                  "max_norm": 1.0, "npu_standin": True, "plan": (

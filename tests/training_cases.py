@@ -14,7 +14,7 @@ from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_parameters
+from hp_rewrite.runtime import expert_parameters, expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 TOL = 1e-5
@@ -82,15 +82,14 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
 
 
 def _worst(model, ref, get, floor_of=None) -> tuple[float, str]:
-    experts = {id(p) for p in expert_parameters(model)}
+    weights = expert_weights(model)
     ref_params = dict(ref.named_parameters())
     floor = floor_of(ref_params.values()) if floor_of else 1e-12
     worst, worst_name = 0.0, ""
     for name, p in model.named_parameters():
         value, target = get(p), get(ref_params[name])
-        if id(p) in experts:
-            owner = model.get_submodule(name.rsplit(".", 1)[0])
-            target = target[owner.hp_expert_parallel.placement.local_index]
+        if name in weights:  # this rank's experts' rows of the reference (flat and zero-expert layouts too)
+            target = local_rows(*weights[name], target)
         err = ((value - target).abs().max() / max(target.abs().max().item(), floor)).item()
         if err > worst:
             worst, worst_name = err, name

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ..runtime import ExpertParallelError
+from ..runtime import ExpertParallelError, local_rows
 from ..runtime.gradients import rank_local_modules
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -177,14 +177,11 @@ def load_full_checkpoints(model: nn.Module) -> None:
             for w in layout.weight_names:
                 key = f"{prefix}{path}.{w}"
                 t, local = state_dict.get(key), layout.param(holder, w)
-                if w in layout.padded_names and t is not None and t.shape != local.shape:  # + zero experts' rows
-                    if t.shape[0] == placement.num_experts + layout.zero_experts and t.shape[1:] == local.shape[1:]:
-                        state_dict[key] = t[list(layout.rows_of(w, placement.local_experts, placement.num_experts))]
+                if t is None or t.shape == local.shape:
                     continue
-                if t is not None and t.shape != local.shape and tuple(t.shape) == (
-                    placement.num_experts * (layout.flat or 1), *local.shape[1:]
-                ):
-                    state_dict[key] = layout.stored(layout.per_expert(t)[placement.local_index])
+                experts = placement.num_experts + (layout.zero_experts if w in layout.padded_names else 0)
+                if tuple(t.shape) == (experts * (layout.flat or 1), *local.shape[1:]):  # the full tensor
+                    state_dict[key] = local_rows(holder, w, t)
 
     model.register_load_state_dict_pre_hook(slice_experts)
 

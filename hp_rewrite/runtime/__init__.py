@@ -34,7 +34,9 @@ from .install import (
     binding_of,
     exchange_runtimes,
     expert_parallel_forward,
+    expert_weights,
     install_expert_parallel,
+    local_rows,
 )
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
@@ -70,6 +72,7 @@ __all__ = [
     "dispatch",
     "dispatch_input_scaled",
     "exchange_for",
+    "expert_weights",
     "expert_capacity",
     "experts_and_combine",
     "expert_parallel_forward",
@@ -77,6 +80,7 @@ __all__ = [
     "install_expert_parallel",
     "interleave",
     "kernel_choice",
+    "local_rows",
     "Interleaver",
     "local_experts_forward",
     "merge_shared",

@@ -109,3 +109,18 @@ def exchange_runtimes(model: nn.Module) -> list[ExchangeRuntime]:
         if binding is not None:
             found.setdefault(id(binding.runtime), binding.runtime)
     return list(found.values())
+
+
+def expert_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every expert weight of the holders installed in ``model``: its parameter name in the model ->
+    (holder, its name below the holder; a path for flat layouts such as DBRX's ``mlp.w1``)."""
+    return {f"{path}.{w}" if path else w: (h, w) for path, h in model.named_modules()
+            if getattr(h, "hp_expert_parallel", None) is not None for w in h.hp_layout.weight_names}
+
+
+def local_rows(holder: nn.Module, weight: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, an unsharded tensor of the holder's ``weight`` (the reference
+    model's weight or gradient): its experts' rows, plus the zero experts' rows every rank keeps."""
+    layout, placement = holder.hp_layout, holder.hp_expert_parallel.placement
+    rows = list(layout.rows_of(weight, placement.local_experts, placement.num_experts))
+    return layout.stored(layout.per_expert(full)[rows])
