@@ -52,7 +52,11 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
         return local_experts_forward(self, hidden, self.hp_layout)
     state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
     out = experts_and_combine(state, self, via_call=False)
-    return out.view(hidden.shape) if hidden.dim() > 2 else out  # [B, S, H] in, [B, S, H] out (DBRX)
+    if hidden.dim() > 2:  # [B, S, H] in, [B, S, H] out (DBRX)
+        out = out.view(hidden.shape)
+    # Never a view: under FSDP2 (which wraps this holder) an in-place op on a returned view would drop
+    # the module's pre-backward hook, and with it the gradient's reduce-scatter, without an error.
+    return out.clone() if out._is_view() else out
 
 
 def binding_of(experts: nn.Module) -> ExpertParallelBinding:
