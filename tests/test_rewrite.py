@@ -15,7 +15,7 @@ import torch
 from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
 from hp_rewrite.launch import run_world
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.runtime import ExpertParallelError, ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.rewrite_cases import REQUIRED_FAMILIES, TOL, compare, plan_for
 
@@ -203,3 +203,31 @@ def test_ensure_artifact_reuses_without_analysis(qwen2_model, tmp_path: Path, mo
     first.module_path.write_text(first.module_path.read_text() + "\n# edited\n")  # tampered: not reused
     with pytest.raises(AssertionError, match="re-running the analysis"):
         rewrite.ensure_artifact(qwen2_model, plan, qwen2_model.config, tmp_path)
+
+
+def test_lora_on_flat_expert_weights_is_refused_and_on_zero_expert_weights_matches(tmp_path: Path) -> None:
+    """PEFT target_parameters: DBRX's flat weights live in a child whose forward the expert-parallel
+    holder never calls, so an adapter there would be skipped: refused, naming it. LongCat-Flash's 3-D
+    weights are read through the wrapped holder: the adapter applies, as in the unmodified model."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for model_type, targets in (("dbrx", ["mlp.w1"]), ("longcat_flash", ["mlp.experts.gate_up_proj"])):
+        ref = build_tiny_model(tiny_config(model_type), seed=0)
+        model, plan = copy.deepcopy(ref), plan_for(1)
+        _, artifact = generate(model, plan, model.config, tmp_path / model_type)
+        assert install(model, artifact, plan, ExpertParallelGroup.single())
+        adapters = []
+        for m in (ref, model):
+            torch.manual_seed(3)
+            adapters.append(get_peft_model(m, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
+                                                         target_parameters=targets)))
+        if model_type == "dbrx":
+            with pytest.raises(ExpertParallelError, match="would skip the adapter"):
+                adapters[1](input_ids=ids)
+            continue
+        with torch.no_grad():
+            want, got = (a(input_ids=ids).logits for a in adapters)
+            plain = build_tiny_model(tiny_config(model_type), seed=0)(input_ids=ids).logits
+        assert not torch.allclose(want, plain)  # the adapter changes the output
+        assert ((got - want).abs().max() / want.abs().max()).item() <= TOL

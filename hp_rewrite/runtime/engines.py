@@ -158,8 +158,8 @@ class EngineGuard:
                     )
                 continue
             for name in holder.hp_layout.weight_names:
-                owner, _, leaf = name.rpartition(".")  # flat layouts: a path below the holder
-                p = (holder.get_submodule(owner) if owner else holder)._parameters.get(leaf)
+                owner, leaf = holder.hp_layout.owner_of(holder, name)  # flat layouts: a path below the holder
+                p = owner._parameters.get(leaf)
                 # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat
                 # parameter) during forward; fully_shard a DTensor
                 if not isinstance(p, nn.Parameter) or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):

@@ -82,9 +82,23 @@ class ExpertsLayout:
 
     def param(self, module: nn.Module, name: str) -> torch.Tensor:
         """The stored weight ``name`` (a path below the holder for flat layouts)."""
-        for part in name.split("."):
-            module = getattr(module, part)
-        return module
+        owner, leaf = self.owner_of(module, name)
+        return getattr(owner, leaf)
+
+    def owner_of(self, module: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """The module that holds weight ``name`` and the weight's attribute name on it."""
+        owner_path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        if owner_path and hasattr(owner, "base_layer"):
+            # PEFT (target_parameters) wrapped the child: its adapter applies only inside the child's own
+            # forward, which the expert-parallel holder never calls; reading through would drop it
+            raise ExpertParallelError(
+                f"{type(module).__name__}.{owner_path} is wrapped by {type(owner).__name__} (an adapter on the "
+                f"flat expert weight {name}): the expert-parallel experts read {name} directly and would skip "
+                "the adapter. Put adapters on other modules (e.g. attention via target_modules), or run this "
+                "model data-parallel"
+            )
+        return owner, leaf
 
     def set_param(self, module: nn.Module, name: str, value: nn.Parameter) -> None:
         owner, _, leaf = name.rpartition(".")
