@@ -84,23 +84,26 @@ class TokenExchange(Protocol):
         """``[n, H]`` per token of the chunk, from the returned rows (``weights``: the chunk's ``[n, K]``)."""
 
 
+def _received_cells(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows received in (source rank, local expert) order: each row's index and its
+    (source, expert) cell, flattened source-major."""
+    rows = torch.arange(total, device=recv_counts.device)
+    return rows, torch.searchsorted(recv_counts.reshape(-1).cumsum(0), rows, right=True)
+
+
 def _expert_major_positions(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     """For rows received in (source rank, local expert) order, their position in (expert, source) order."""
     flat = recv_counts.reshape(-1)
-    src_major_end = flat.cumsum(0)
-    src_major_start = src_major_end - flat
+    src_major_start = flat.cumsum(0) - flat
     em = recv_counts.t().reshape(-1)  # (expert, source) order
     em_start = (em.cumsum(0) - em).view(recv_counts.shape[1], recv_counts.shape[0]).t().reshape(-1)
-    rows = torch.arange(total, device=recv_counts.device)
-    seg = torch.searchsorted(src_major_end, rows, right=True)
-    return em_start[seg] + rows - src_major_start[seg]
+    rows, cell = _received_cells(recv_counts, total)
+    return em_start[cell] + rows - src_major_start[cell]
 
 
 def _received_experts(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     """The local expert of each row received in (source rank, local expert) order."""
-    ends = recv_counts.reshape(-1).cumsum(0)
-    cell = torch.searchsorted(ends, torch.arange(total, device=recv_counts.device), right=True)
-    return cell % recv_counts.shape[1]
+    return _received_cells(recv_counts, total)[1] % recv_counts.shape[1]
 
 
 @dataclass

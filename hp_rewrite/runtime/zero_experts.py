@@ -4,8 +4,9 @@ Such a holder keeps ``num_experts`` FFN experts and ``Z`` more ids whose output 
 weighted: ``w * x``. Their rows are never dispatched: :func:`split_zero_experts` (called by
 :func:`~.dispatch.dispatch`) takes their weighted sum on the sending rank, where the token already is,
 and hands the exchange the other slots only (a zero slot becomes the drop sentinel ``num_experts``
-with weight 0, as capacity drops a slot). The sum is taken in the promoted dtype of (hidden, weights),
-as the original computes ``x * w`` before its cast, and added to the combined routed output.
+with weight 0, as capacity drops a slot). The token's zero-expert weights are summed first and multiply
+it once, in the promoted dtype of (hidden, weights), and the result is added to the combined routed
+output (the original adds each ``x * w`` separately: the same value up to rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def split_zero_experts(
     slots ``[T, H]``. The router gradient of a zero slot flows through ``identity`` only."""
     zero = indices >= num_experts
     zero_weights = torch.where(zero, weights, torch.zeros_like(weights))
-    identity = (zero_weights.unsqueeze(-1) * hidden.unsqueeze(1)).sum(dim=1)
+    # (sum_k w) * x, not sum_k (w * x): the same value without a [T, K, H] temporary on the hot path
+    identity = zero_weights.sum(dim=1, keepdim=True) * hidden
     indices = torch.where(zero, torch.full_like(indices, num_experts), indices)
     weights = torch.where(zero, torch.zeros_like(weights), weights)
     return indices, weights, identity
