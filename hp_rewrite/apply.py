@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import OutputError, SelectionError, UserError
+from .errors import OutputError, UserError
 from .hf import meta_model, top_k_of
 
 DEFAULT_OUT = Path("hp-rewrite-out")
@@ -116,20 +116,13 @@ def generate_artifact(plan, config, model_dir: Path, out_dir: Path) -> Generated
 
 def _generate(plan, config, model_dir: Path, out_dir: Path) -> Generated:
     from .match.analysis import analyze
+    from .match.diagnosis import nothing_to_rewrite
     from .match.generate import write
 
-    analysis = analyze(meta_model(config), plan)
-    if not (analysis.matched or analysis.unmatched or analysis.excluded):
-        raise SelectionError(
-            f"{model_dir}: no MoE block in this {config.model_type} model, nothing to rewrite "
-            f"(`hp-rewrite describe-moe {model_dir}` shows what hp-rewrite looks for)"
-        )
-    if not (analysis.matched or analysis.unmatched):
-        shown = ", ".join(analysis.excluded[:3]) + (", ..." if len(analysis.excluded) > 3 else "")
-        raise SelectionError(
-            f"modules.include {plan.modules.include} / exclude {plan.modules.exclude} select none of the "
-            f"{len(analysis.excluded)} MoE blocks ({shown}): match their paths or class names"
-        )
+    model = meta_model(config)
+    analysis = analyze(model, plan)
+    if not analysis.matched:  # a dense model, globs selecting no block, or no block matched
+        raise nothing_to_rewrite(model, plan, config, analysis, source=model_dir)
     modules, unmatched = module_rows(analysis, plan)
     bad = [m for m in modules if m["local_experts"] is None]
     if bad:

@@ -83,7 +83,7 @@ def check(model_type: str, out_dir: Path) -> dict:
     ref = build_tiny_model(tiny_config(model_type), seed=0)
     model = copy.deepcopy(ref)
     analysis, artifact = generate(model, DEFAULT_PLAN, model.config, out_dir)
-    patched = install(model, artifact, DEFAULT_PLAN, ExpertParallelGroup.single())
+    patched = install(model, artifact, DEFAULT_PLAN, ExpertParallelGroup.single()) if analysis.matched else []
     row = {
         "blocks": sorted({type(r.structure.block).__name__ for r in analysis.matched + analysis.unmatched}),
         "archetypes": sorted({"{level}/{router}/{shared}/{layout}".format(**r.archetype.as_dict())

@@ -9,6 +9,7 @@ from torch import nn
 from ..codegen import Artifact, import_artifact
 from ..match import find_blocks
 from ..match.analysis import expert_placement
+from ..match.diagnosis import nothing_to_rewrite
 from ..runtime import ExchangeRuntime, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
 
 
@@ -41,4 +42,6 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             s.block.hp_original_forward = s.block.forward
             s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)
         patched.append(s.path)
+    if not patched:  # an artifact written for another model, or nothing selected: never a silent no-op
+        raise nothing_to_rewrite(model, plan, getattr(model, "config", None))
     return patched

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
+from ..errors import SelectionError
 from ..hf import build_meta_model, quiet_transformers, short_error, top_k_of
 from ..hf.shrink import tiny_config
 from ..plan import DEFAULT_PLAN
@@ -357,3 +358,45 @@ def diagnose(model: nn.Module, config) -> Diagnosis:
 def describe(model: nn.Module, config) -> dict:
     """The ``describe-moe --json`` document of a model built from ``config``."""
     return diagnose(model, config).to_json()
+
+
+# -- a plan that rewrites nothing ---------------------------------------------------------------------
+
+
+def nothing_to_rewrite(model: nn.Module, plan, config=None, analysis=None, source=None) -> SelectionError:
+    """The error for a plan that rewrites no block of ``model``: each candidate found and why it was not
+    matched, as ``describe-moe`` reports it. Raised before anything is written or installed, so a model
+    is never marked expert-parallel while every rank still holds every expert. ``analysis``: the plan's
+    analysis of ``model`` when the caller has it; ``source``: the checkpoint, for the suggested command."""
+    from .analysis import analyze
+
+    if analysis is None:
+        with quiet_transformers():
+            analysis = analyze(model, plan, collect_errors=True)
+    holders = [name for name, _ in find_experts_holders(model)]
+    found = find_misfits(model, config, holders) + [broken_holder(f.path, f.holder, f.reason) for f in analysis.failed]
+    lines = []
+    by_reason: dict[tuple[str, str], list[str]] = {}
+    for r in analysis.unmatched:
+        by_reason.setdefault((type(r.structure.block).__name__, r.reason or "no archetype reproduces it"),
+                             []).append(r.structure.path)
+    for (cls, reason), paths in by_reason.items():
+        lines.append(f"{compact_paths(paths)} ({cls}): unmatched: {reason}")
+    for m in group_misfits(found):
+        lines.append(f"{compact_paths(m.paths)} ({m.module_class}): {m.reason}; to do: {m.action}")
+    if analysis.excluded:
+        shown = ", ".join(analysis.excluded[:3]) + (", ..." if len(analysis.excluded) > 3 else "")
+        lines.append(
+            f"modules.include {plan.modules.include} / exclude {plan.modules.exclude} select none of the "
+            f"{len(analysis.excluded)} MoE blocks ({shown}): match their paths or class names"
+        )
+    where = f"hp-rewrite describe-moe {source}" if source else "hp-rewrite describe-moe MODEL_DIR"
+    head = f"the plan rewrites no MoE block of {type(model).__name__}, so it would not be expert-parallel"
+    if not lines:
+        return SelectionError(
+            f"{head}: no MoE block in this {getattr(config, 'model_type', None) or 'model'} model, nothing to "
+            f"rewrite (`{where}` shows what hp-rewrite looks for); load it without hp-rewrite"
+        )
+    found_text = "".join(f"\n  - {line}" for line in lines)
+    return SelectionError(f"{head} (every rank would hold every expert). Found:{found_text}\n"
+                          f"`{where}` shows each with its structure.")

@@ -10,6 +10,7 @@ from ..codegen import Artifact, GeneratedFunction, write_artifact
 from ..codegen.artifacts import find_current
 from .analysis import Analysis, analyze
 from .archetype import block_source, experts_source
+from .diagnosis import nothing_to_rewrite
 
 
 def generated_functions(analysis: Analysis) -> list[GeneratedFunction]:
@@ -42,5 +43,13 @@ def ensure_artifact(model: nn.Module, plan, config, out_dir: Path) -> Artifact:
 
     Reusing skips the analysis, whose execution probe materialises one block with random weights:
     ranks that load after rank 0 (or after ``hp-rewrite apply``) never pay that memory.
+    A plan that rewrites no block of ``model`` is refused (:func:`~.diagnosis.nothing_to_rewrite`)
+    before anything is written.
     """
-    return find_current(Path(out_dir), plan.hash(), config) or write(analyze(model, plan), plan, config, out_dir)
+    current = find_current(Path(out_dir), plan.hash(), config)
+    if current is not None:
+        return current
+    analysis = analyze(model, plan)
+    if not analysis.matched:
+        raise nothing_to_rewrite(model, plan, config, analysis, getattr(config, "_name_or_path", None) or None)
+    return write(analysis, plan, config, out_dir)
