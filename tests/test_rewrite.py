@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
+from hp_rewrite.errors import SelectionError
 from hp_rewrite.launch import run_world
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelError, ExpertParallelGroup
@@ -45,10 +46,10 @@ def test_inlined_router_matches_unmodified(model_type: str, router: str, tmp_pat
     assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
 
 
-def test_forced_router_that_does_not_fit_is_reported_not_ignored(tmp_path: Path) -> None:
-    r = compare("qwen3_moe", str(tmp_path), archetype={"router": "sigmoid_group"})
-    assert not r["patched"] and r["unmatched"], r
-    assert all("the plan asks for router: sigmoid_group" in reason for reason in r["unmatched"])
+def test_forced_router_that_does_not_fit_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """No block fits the forced router: nothing would be expert-parallel, so it is an error (#23 item 1)."""
+    with pytest.raises(SelectionError, match=r"mlp \(Qwen3MoeSparseMoeBlock\): unmatched: the plan asks for router: sigmoid_group"):
+        compare("qwen3_moe", str(tmp_path), archetype={"router": "sigmoid_group"})
 
 
 # Experts that take no routing (Llama 4): the router score scales the experts' input (input_scaled archetype).
@@ -80,9 +81,8 @@ def test_input_scaled_router_logits_keep_working(tmp_path: Path) -> None:
 
 
 def test_forced_router_is_not_ignored_for_input_scaled_blocks(tmp_path: Path) -> None:
-    r = compare("llama4_text", str(tmp_path), archetype={"router": "softmax_topk"})
-    assert not r["patched"] and r["unmatched"], r
-    assert all("the plan asks for router: softmax_topk" in reason for reason in r["unmatched"])
+    with pytest.raises(SelectionError, match="unmatched: the plan asks for router: softmax_topk"):
+        compare("llama4_text", str(tmp_path), archetype={"router": "softmax_topk"})
 
 
 # Zero-computation (identity) experts (LongCat-Flash): ids >= the routed-expert count give w * x, taken
