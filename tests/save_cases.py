@@ -34,3 +34,31 @@ def load_and_compare(rank: int, world: int, payload: dict) -> dict:
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, plain(input_ids=ids).logits
     return {"rel": ((a - b).abs().max() / b.abs().max()).item()}
+
+
+def written_files(directory: Path) -> dict[str, object]:
+    """Every file save_pretrained wrote: JSON documents parsed, safetensors as (metadata, tensors)."""
+    import json
+
+    from safetensors import safe_open
+
+    out: dict[str, object] = {}
+    for f in sorted(directory.iterdir()):
+        if f.suffix == ".safetensors":
+            with safe_open(f, framework="pt") as h:
+                out[f.name] = (h.metadata(), {k: h.get_tensor(k) for k in h.keys()})
+        else:
+            out[f.name] = json.loads(f.read_text()) if f.suffix == ".json" else f.read_text()
+    return out
+
+
+def assert_same_files(ours: Path, theirs: Path) -> None:
+    a, b = written_files(ours), written_files(theirs)
+    assert a.keys() == b.keys()
+    for name, value in b.items():
+        if isinstance(value, tuple):
+            assert a[name][0] == value[0] and a[name][1].keys() == value[1].keys(), name
+            for k, t in value[1].items():
+                assert a[name][1][k].dtype == t.dtype and torch.equal(a[name][1][k], t), (name, k)
+        else:
+            assert a[name] == value, name

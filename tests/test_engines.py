@@ -166,7 +166,7 @@ def test_trainer_checkpoints_reload_and_resume(engine_results: dict) -> None:
     # save_model and a checkpoint written during training load in plain transformers bit for bit
     assert r0["reload_final"] == 0.0 and r0["reload_checkpoint-3"] == 0.0, r0
     assert {"hp_rewrite_expert_optimizer-rank0-of-2.pt", "hp_rewrite_expert_optimizer-rank1-of-2.pt",
-            "optimizer.pt", "model.safetensors.index.json"} <= set(r0["files"]), r0["files"]
+            "optimizer.pt", "model.safetensors"} <= set(r0["files"]), r0["files"]  # one file, as transformers writes
     # resuming from checkpoint-1 ends where the uninterrupted run ended, on every rank
     assert r0["resume_worst"] == 0.0 and r1["resume_worst"] == 0.0, (r0, r1)
 

@@ -13,6 +13,8 @@ from hp_rewrite.launch import run_world
 from hp_rewrite.match import find_blocks
 from hp_rewrite.tiny import make_tiny
 
+from .save_cases import assert_same_files
+
 TOL = 1e-6  # safetensors-loaded storage may be unaligned: grouped GEMM then differs by ~1e-7
 
 
@@ -24,10 +26,12 @@ def test_save_at_ep2_loads_in_plain_transformers_and_at_ep4(model_type: str, tmp
     payload = {"ep_size": 2, "model_dir": str(original), "out_dir": str(saved), "gen_dir": str(tmp_path / "gen")}
     ranks = run_world(2, "tests.save_cases:load_and_save", payload)
     assert ranks[0]["local"] and all(n == ranks[0]["local"][0] for n in ranks[0]["local"])
-    assert (saved / "config.json").is_file() and (saved / "model.safetensors.index.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directory left behind"
 
     plain = AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager")
+    plain.save_pretrained(tmp_path / "plain-saved")  # gathered at EP=2, the files are what transformers writes
+    assert (saved / "model.safetensors").is_file() and not (saved / "model.safetensors.index.json").exists()
+    assert_same_files(saved, tmp_path / "plain-saved")
     reloaded = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager")
     for (name, a), (_, b) in zip(plain.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

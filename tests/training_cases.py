@@ -233,3 +233,23 @@ def deferred_refusals(rank: int, world: int, payload: dict) -> dict:
         out["create_graph"] = str(e)
     model.hp_rewrite.runtime.weight_grads.clear()
     return out
+
+
+def contract_world(rank: int, world: int, payload: dict) -> dict:
+    """from_pretrained under auto_patch at EP=world: transformers' defaults (class, dtype, attention),
+    this rank's experts only, and the unmodified model's logits (bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    plain = AutoModelForCausalLM.from_pretrained(payload["model_dir"])
+    with auto_patch(parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=Path(payload["out_dir"])):
+        model = AutoModelForCausalLM.from_pretrained(payload["model_dir"])
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        err = (model(input_ids=ids).logits.float() - plain(input_ids=ids).logits.float()).abs().max().item()
+    holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    return {"class": type(model).__name__, "dtype": str(model.dtype), "attn": model.config._attn_implementation,
+            "local": [m.hp_expert_parallel.placement.num_local for m in holders],
+            "experts": holders[0].hp_expert_parallel.placement.num_experts, "err": err,
+            "bytes_read": model.hp_rewrite.load_report["bytes_read"],
+            "file_bytes": sum(f.stat().st_size for f in Path(payload["model_dir"]).glob("*.safetensors"))}

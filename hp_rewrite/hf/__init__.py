@@ -30,16 +30,23 @@ __all__ = [
     "build_meta_model",
     "config_mapping",
     "core_model_loading",
+    "deepspeed_zero3",
     "instantiate",
     "is_config",
     "last_checkpoint",
     "load_config",
+    "loading_info",
     "meta_model",
     "model_conversion_mapping",
+    "original_format",
+    "pretrained_class_for",
     "pretrained_model",
     "pretrained_model_class",
     "quiet_transformers",
+    "save_remote_code",
     "short_error",
+    "size_in_bytes",
+    "storage_key",
     "top_k_of",
     "transformers_version",
 ]
@@ -175,6 +182,10 @@ def auto_class_for(config) -> type:
     :class:`ModelDirError` when there is none."""
     import transformers
 
+    auto_map = getattr(config, "auto_map", None) or {}  # remote code: the Auto classes its repository maps
+    remote = next((name for name in _AUTO_CLASSES if name in auto_map and name not in _CONCRETE), None)
+    if remote is not None:
+        return getattr(transformers, remote)
     for name in _AUTO_CLASSES:
         auto = getattr(transformers, name, None)
         mapping = getattr(auto, "_model_mapping", None)
@@ -279,6 +290,18 @@ def pretrained_model(name_or_path, config=None, **kwargs):
     return auto_class_for(config).from_pretrained(name_or_path, **kwargs)
 
 
+#: from_pretrained arguments that also locate the config
+_CONFIG_KWARGS = ("trust_remote_code", "subfolder", "revision", "local_files_only", "token", "cache_dir")
+
+
+def pretrained_class_for(name_or_path, config=None, **kwargs) -> type:
+    """The class that loads ``name_or_path`` (:func:`auto_class_for` of its config, read with the
+    ``from_pretrained`` arguments that locate it, or ``config`` when given)."""
+    if config is None or not is_config(config):
+        config = auto_config(config or name_or_path, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
+    return auto_class_for(config)
+
+
 def pretrained_model_class() -> type:
     """transformers' ``PreTrainedModel`` (whose ``from_pretrained`` every model class ends in)."""
     from transformers import PreTrainedModel
@@ -302,6 +325,53 @@ def model_conversion_mapping(model) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return get_model_conversion_mapping(model)
+
+
+def original_format(model, tensors: dict) -> dict:
+    """``tensors`` (in-memory names) under the names and layout of the checkpoint format the model was
+    loaded from, as ``save_pretrained(save_original_format=True)`` writes them (per-expert keys...)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
+def save_remote_code(model, folder) -> None:
+    """Copy a trust_remote_code model's code files into ``folder`` with its ``auto_map``, as
+    ``save_pretrained`` does (nothing for a model of transformers itself)."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    if getattr(model, "is_remote_code", lambda: False)():
+        custom_object_save(model, folder, config=model.config)
+
+
+def size_in_bytes(size: int | str) -> int:
+    """``max_shard_size`` as ``save_pretrained`` reads it: an int, or a string such as ``"50GB"``."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return size if isinstance(size, int) else parse_size_to_int(size)
+
+
+def storage_key(tensor) -> tuple[object, int]:
+    """``(identity, bytes)`` of a tensor's storage as ``save_pretrained`` sizes shards: views of one
+    storage share the identity and count its whole size once."""
+    from huggingface_hub.serialization._torch import get_torch_storage_id, get_torch_storage_size
+
+    return get_torch_storage_id(tensor), get_torch_storage_size(tensor)
+
+
+def loading_info(missing: set[str], unexpected: set[str]):
+    """transformers' loading report (``LoadStateDictInfo``) for weights read outside its loader."""
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    return LoadStateDictInfo(missing_keys=set(missing), unexpected_keys=set(unexpected), mismatched_keys=set(),
+                             error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+
+
+def deepspeed_zero3() -> bool:
+    """Whether transformers sees DeepSpeed ZeRO-3 enabled (it then loads the weights itself)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def last_checkpoint(output_dir) -> str | None:

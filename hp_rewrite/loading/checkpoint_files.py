@@ -67,7 +67,8 @@ class TensorInfo:
 class Reader:
     """Row-range reads of checkpoint tensors into preallocated tensors, through bounded mmap views."""
 
-    def __init__(self, model_dir: Path, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, model_dir: Path | None, chunk_bytes: int = CHUNK_BYTES, files: list[Path] | None = None) -> None:
+        """The checkpoint in ``model_dir``, or exactly the safetensors ``files`` (as transformers resolved them)."""
         from safetensors import safe_open
 
         self._open = safe_open
@@ -75,7 +76,7 @@ class Reader:
         self.bytes_read = 0
         self.files_read: set[str] = set()
         self.infos: dict[str, TensorInfo] = {}
-        for file in safetensors_files(model_dir):
+        for file in [Path(f) for f in files] if files is not None else safetensors_files(model_dir):
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     if key in self.infos:
@@ -233,8 +234,9 @@ def index_regex(source_pattern: str) -> re.Pattern[str] | None:
     return re.compile(source_pattern.removeprefix("^").replace("*.", r"(\d+)\.").replace("*", r"(\d+)"))
 
 
-def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[str, LoadUnit], list[str]]:
-    """Group checkpoint keys into load units (by first target name); also the unexpected keys."""
+def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[str, LoadUnit], dict[str, str]]:
+    """Group checkpoint keys into load units (by first target name); also the unexpected keys, each with
+    its name after transformers' renamings (as ``from_pretrained`` reports it)."""
     cml = core_model_loading()
     rename_source_key, apply_renamings = cml.rename_source_key, cml.apply_renamings
     renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
@@ -243,13 +245,13 @@ def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[s
     meta = model.state_dict(keep_vars=True)
     prefix = model.base_model_prefix
     units: dict[str, LoadUnit] = {}
-    unexpected: list[str] = []
+    unexpected: dict[str, str] = {}
     for key in sorted(reader.infos, key=natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if renamed not in meta and key in meta:  # as transformers: a key that should not have been renamed
             renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
         if renamed not in meta:
-            unexpected.append(key)
+            unexpected[key] = renamed  # transformers reports the renamed name
             continue
         if pattern is None:
             if renamed in units:

@@ -38,7 +38,7 @@ import copy
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,15 +80,15 @@ def _is_concat(op) -> bool:
 
 
 class _Filler:
-    def __init__(
-        self, model: nn.Module, reader: Reader, experts: dict[str, ExpertSlice], dtypes: Callable
-    ) -> None:
+    def __init__(self, model: nn.Module, reader: Reader, experts: dict[str, ExpertSlice], dtypes: Callable,
+                 device: torch.device | None = None) -> None:
         self.model, self.reader, self.experts, self.dtype_for = model, reader, experts, dtypes
+        self.device = device
         self.meta = model.state_dict(keep_vars=True)
         self.paths = {"tensor": 0, "merged_experts": 0, "transformers_converter": 0}  # units filled, by path
 
     def empty(self, name: str) -> torch.Tensor:
-        return torch.empty(self.meta[name].shape, dtype=self.dtype_for(name))
+        return torch.empty(self.meta[name].shape, dtype=self.dtype_for(name), device=self.device)
 
     def fill(self, unit: LoadUnit) -> dict[str, torch.Tensor]:
         if unit.key is not None:
@@ -364,7 +364,9 @@ def load_expert_parallel(
     (``ExpertParallelGroup.single()`` for EP=1); the generated code goes under ``artifact_dir``.
     Floating tensors are loaded in ``dtype`` (``keep_in_fp32`` modules aside, as ``from_pretrained``
     does). When ``torch.distributed`` is initialised the call is collective (rank 0 writes the
-    artifact, the others wait for it and reuse it).
+    artifact, the others wait for it and reuse it). ``from_pretrained`` under ``auto_patch`` reads
+    through the same steps with transformers' own class, dtype and key handling
+    (:mod:`hp_rewrite.loading.pretrained`).
 
     Returns ``(model, report)``; the model is in ``eval()`` mode. ``report`` holds:
 
@@ -381,25 +383,11 @@ def load_expert_parallel(
     experts (EP > 1 only).
     """
     loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes)
-    model, filler = loading.model, loading.filler
-    t0 = time.perf_counter()
-    slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
-    for name, module, attr, is_param, _ in _tensor_slots(model):
-        slots.setdefault(name, []).append((module, attr, is_param))
-    new_for: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised replacement (keeps ties)
-    for unit in loading.ordered_units():
-        for name, value in filler.fill(unit).items():
-            for module, attr, is_param in slots[name]:
-                old = getattr(module, attr)
-                new = _set(module, attr, old, value, is_param)
-                new._is_hf_initialized = True  # transformers' init functions skip flagged tensors
-                new_for[id(old)] = new
+    new_for = loading.fill()
     with quiet_transformers():
-        _finish(model, new_for, loading.allowed_missing)
-    model.eval()
-    model._weight_conversions = [t for t in loading.transforms if t.was_used()]
-    loading.timings["load_s"] = time.perf_counter() - t0
-    return model, loading.report()
+        _finish(loading.model, new_for, loading.allowed_missing)
+    loading.model.eval()
+    return loading.model, loading.report()
 
 
 @dataclass
@@ -411,16 +399,42 @@ class PreparedLoad:
     reader: Reader
     filler: _Filler
     units: dict[str, LoadUnit]
-    allowed_missing: set[str]
+    unexpected: dict[str, str]  # checkpoint keys no tensor of the model takes -> their renamed names
     transforms: list
     experts: dict[str, ExpertSlice]
     patched: list[str]
     ep: ExpertParallelGroup
     timings: dict[str, float]
     started: float
+    allowed_missing: set[str] = field(default_factory=set)  # ignored or tied (checked by prepare)
 
     def ordered_units(self) -> list[LoadUnit]:
         return sorted(self.units.values(), key=lambda u: natural_key(u.targets[0]))
+
+    @property
+    def missing(self) -> set[str]:
+        """The model's tensors no checkpoint key fills."""
+        produced = {t for u in self.units.values() for t in u.targets}
+        return set(self.model.state_dict(keep_vars=True)) - produced
+
+    def fill(self) -> dict[int, torch.Tensor]:
+        """Read every unit into fresh tensors set on the model (flagged initialised for transformers);
+        returns id(meta tensor) -> its replacement, which keeps tensors shared under several names."""
+        t0 = time.perf_counter()
+        slots: dict[str, list[tuple[nn.Module, str, bool]]] = {}
+        for name, module, attr, is_param, _ in _tensor_slots(self.model):
+            slots.setdefault(name, []).append((module, attr, is_param))
+        new_for: dict[int, torch.Tensor] = {}
+        for unit in self.ordered_units():
+            for name, value in self.filler.fill(unit).items():
+                for module, attr, is_param in slots[name]:
+                    old = getattr(module, attr)
+                    new = _set(module, attr, old, value, is_param)
+                    new._is_hf_initialized = True  # transformers' init functions skip flagged tensors
+                    new_for[id(old)] = new
+        self.model._weight_conversions = [t for t in self.transforms if t.was_used()]
+        self.timings["load_s"] = time.perf_counter() - t0
+        return new_for
 
     def report(self) -> dict:
         expert_bytes, other_bytes = _bytes(self.model, self.experts)
@@ -440,13 +454,9 @@ class PreparedLoad:
 
 def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype = torch.float32,
             chunk_bytes: int = CHUNK_BYTES) -> PreparedLoad:
-    """Build on meta, find or write the artifact (rank 0 first), install the plan, map the checkpoint's
-    keys: everything :func:`load_expert_parallel` does before it reads a tensor."""
-    from ..match import generate
-    from . import install
-
+    """Build on meta, then :func:`prepare_model` with the model's conversion mapping; a checkpoint that
+    does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError`."""
     t_start = time.perf_counter()
-    timings: dict[str, float] = {}
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise CheckpointKeyError(f"{model_dir}: no config.json; pass a transformers checkpoint directory")
@@ -455,24 +465,35 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
         config = auto_config(model_dir)
     t0 = time.perf_counter()
     model = meta_model(config, dtype)
-    timings["build_s"] = time.perf_counter() - t0
+    build_s = time.perf_counter() - t0
+    loading = prepare_model(model, reader, plan, ep, artifact_dir, dtype, model_conversion_mapping(model))
+    loading.timings["build_s"], loading.started = build_s, t_start
+    loading.allowed_missing = _check_keys(model, loading.units, list(loading.unexpected), model_dir)
+    return loading
 
-    t0 = time.perf_counter()
+
+def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGroup, artifact_dir,
+                  dtype: torch.dtype, transforms: list, device: torch.device | None = None) -> PreparedLoad:
+    """On a model built on the meta device: find or write the artifact (rank 0 first), install the plan,
+    map the checkpoint's keys with ``transforms`` (transformers' renamings and converters): everything
+    before a tensor is read. ``device``: where the tensors are allocated (the CPU by default)."""
+    from ..match import generate
+    from . import install
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
     # rank 0 finds or writes the artifact first; the others reuse it, no analysis
-    artifact = rank0_first(lambda: generate.ensure_artifact(model, plan, config, Path(artifact_dir)))
+    artifact = rank0_first(lambda: generate.ensure_artifact(model, plan, model.config, Path(artifact_dir)))
     _release_freed_memory()  # the analysis ran random-weight copies of whole blocks: give that back first
-    timings["analyze_s"] = time.perf_counter() - t0
+    timings["analyze_s"] = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
     patched = install.install(model, artifact, plan, ep, shard=True)  # on meta: local shapes, no storage
     experts = expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
-    transforms = model_conversion_mapping(model)
     units, unexpected = map_keys(model, reader, transforms)
-    allowed_missing = _check_keys(model, units, unexpected, model_dir)
-    filler = _Filler(model, reader, experts, _dtype_rule(model, dtype))
-    return PreparedLoad(model, reader, filler, units, allowed_missing, transforms, experts, patched, ep,
-                        timings, t_start)
+    filler = _Filler(model, reader, experts, _dtype_rule(model, dtype), device)
+    return PreparedLoad(model, reader, filler, units, unexpected, transforms, experts, patched, ep, timings, t_start)
 
 
 def _finish(model: nn.Module, new_for: dict[int, torch.Tensor], allowed_missing: set[str]) -> None:

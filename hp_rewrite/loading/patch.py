@@ -2,9 +2,10 @@
 
 ``auto_patch(plan)`` wraps ``PreTrainedModel.from_pretrained`` (which every concrete class and every
 Auto class ends in) until ``remove()`` or the end of a ``with`` block; ``from_pretrained(model_dir,
-plan=...)`` does the same for one call. A local safetensors checkpoint is loaded by
-:func:`hp_rewrite.loading.local.load_expert_parallel`: built on the meta device, only this rank's
-experts are ever read; other sources go through transformers' loader and are sharded afterwards.
+plan=...)`` does the same for one call. transformers resolves the call as it would for the unmodified
+model (class, dtype, attention, files); the weights are read by :mod:`hp_rewrite.loading.pretrained`,
+only this rank's experts among them (a checkpoint it cannot read that way is loaded whole and sharded
+after, with a warning).
 The EP group is built from the plan over the initialised
 ``torch.distributed`` world; without one, the model runs as EP=1 in one process through the same
 generated code.
@@ -18,12 +19,11 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..hf import pretrained_model, pretrained_model_class
+from ..hf import pretrained_class_for, pretrained_model_class
 from ..plan import Plan, load_plan
 from ..runtime import (
     ExchangeRuntime,
@@ -118,35 +118,32 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     return model
 
 
-def load_local_experts(model_dir, plan: Plan, dtype=None, artifact_dir: Path | None = None,
-                       mesh: DeviceMesh | None = None) -> nn.Module:
-    """Build on meta and read only this rank's experts from the checkpoint (see loading.local)."""
-    from .local import load_expert_parallel
+def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None):
+    """``call()`` (a transformers ``from_pretrained``) with only this rank's experts read, its result
+    rewritten (see :mod:`hp_rewrite.loading.pretrained`)."""
+    from .pretrained import load_rewritten
 
     ep = expert_parallel_group_for(plan, mesh)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
-    model, report = load_expert_parallel(model_dir, plan, ep, out, dtype=dtype or torch.float32)
-    return attach(model, RewriteInfo(plan, ep, out, report["patched"], report))
+    return load_rewritten(
+        call, plan, ep, out,
+        rewrite=lambda model: rewrite_model(model, plan, ep=ep, artifact_dir=out),
+        attach=lambda model, loading: attach(model, RewriteInfo(plan, ep, out, loading.patched, loading.report())),
+    )
 
 
-_LOCAL_LOAD_KWARGS = {"dtype", "torch_dtype", "attn_implementation"}
-
-
-def _local_checkpoint(args, kwargs) -> bool:
-    """from_pretrained(dir) of a local safetensors checkpoint with only options the local loader honours."""
-    if not args or set(kwargs) - _LOCAL_LOAD_KWARGS or kwargs.get("attn_implementation", "eager") != "eager":
-        return False
-    path = Path(str(args[0]))
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-# accelerate's documented pattern calls save_pretrained on every rank with these; they do not change
-# what is written (safetensors shards with the in-memory names, written by global rank 0)
-_SAVE_KWARGS = {"is_main_process", "state_dict", "save_function", "safe_serialization", "max_shard_size"}
+# save_pretrained's arguments that change nothing in what an expert-parallel save writes: every rank
+# calls it and global rank 0 writes (is_main_process, and accelerate's save_function, which transformers 5
+# ignores too), safetensors is written either way (as transformers)
+_SAVE_ACCEPTED = {"is_main_process", "safe_serialization", "state_dict", "save_function"}
+_SAVE_HONOURED = {"max_shard_size", "save_original_format"}
+# the rest of transformers' signature, refused unless left at its default
+_SAVE_DEFAULTS = {"push_to_hub": False, "variant": None, "token": None, "save_peft_format": True,
+                  "distributed_checkpoint": False}
 
 
 def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
-    """Gather the experts and write a standard checkpoint (see :mod:`hp_rewrite.loading.save`).
+    """Gather the experts and write what transformers writes (see :mod:`hp_rewrite.loading.save`).
 
     Collective: every rank calls it (transformers ``Trainer`` calls it on rank 0 only: use
     ``hp_rewrite.prepare_trainer(trainer)``)."""
@@ -159,12 +156,16 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
             "needs: call hp_rewrite.prepare_trainer(trainer) on every rank before train(), which makes "
             "save_model and checkpoints gather the experts"
         )
-    unknown = set(kwargs) - _SAVE_KWARGS
-    if args or unknown or kwargs.get("safe_serialization", True) is False:
+    if args:
+        raise ExpertParallelError("save_pretrained of an expert-parallel model: pass its options by name "
+                                  f"(got {len(args)} positional argument(s) after the directory)")
+    refused = sorted(k for k in kwargs if k not in _SAVE_ACCEPTED | _SAVE_HONOURED
+                     and not (k in _SAVE_DEFAULTS and kwargs[k] == _SAVE_DEFAULTS[k]))
+    if refused:
         raise ExpertParallelError(
-            f"save_pretrained of an expert-parallel model: unsupported arguments {sorted(unknown) or list(args)}; "
-            "it writes safetensors shards with the model's in-memory names (push_to_hub, variants and "
-            ".bin files are not supported)"
+            f"save_pretrained of an expert-parallel model: {', '.join(refused)} cannot be honoured (the experts "
+            "are gathered from every rank into safetensors files in a local directory); save without it, "
+            "then upload or convert the directory"
         )
     state_dict = kwargs.get("state_dict")
     if state_dict is not None:
@@ -175,7 +176,7 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
                 "save_pretrained(state_dict=...) of an expert-parallel model: the state dict holds tensors "
                 "that are not the model's own; the experts are gathered from the model itself"
             )
-    return save_pretrained(self, save_directory)
+    return save_pretrained(self, save_directory, **{k: kwargs[k] for k in _SAVE_HONOURED if k in kwargs})
 
 
 class AutoPatch:
@@ -189,13 +190,8 @@ class AutoPatch:
         patch = self
 
         def from_pretrained(cls, *args, **kwargs):
-            if _local_checkpoint(args, kwargs) and len(args) == 1:
-                dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-                if dtype is None or isinstance(dtype, torch.dtype):
-                    return load_local_experts(args[0], patch.plan, dtype, patch.artifact_dir, patch.mesh)
-            # anything else (hub ids, device maps, quantisation...): transformers loads, then we shard
-            model = original_fn(cls, *args, **kwargs)
-            return rewrite_model(model, patch.plan, artifact_dir=patch.artifact_dir, mesh=patch.mesh)
+            return load_pretrained(lambda: original_fn(cls, *args, **kwargs), patch.plan, patch.artifact_dir,
+                                   patch.mesh)
 
         from_pretrained.__doc__ = original_fn.__doc__
         from_pretrained.hp_auto_patch = self
@@ -235,10 +231,8 @@ def auto_patch(plan: str | os.PathLike | Plan | None = None, artifact_dir: Path 
 
 def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan | None = None,
                     artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, **kwargs) -> nn.Module:
-    """Load a checkpoint and return it rewritten (one call, no global patch left behind)."""
+    """``from_pretrained`` of the class an Auto class picks for the checkpoint (``kwargs`` as transformers
+    takes them), returned rewritten: one call, no global patch left behind."""
     plan = resolve_plan(plan)
-    if _local_checkpoint((model_dir,), kwargs):  # only this rank's experts are ever read
-        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        return load_local_experts(model_dir, plan, dtype, artifact_dir, mesh)
-    model = pretrained_model(model_dir, **kwargs)  # eager attention unless kwargs say otherwise
-    return rewrite_model(model, plan, artifact_dir=artifact_dir, mesh=mesh)
+    cls = pretrained_class_for(model_dir, **kwargs)
+    return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh)

@@ -1,10 +1,11 @@
 """Save an expert-parallel model back as a standard transformers checkpoint.
 
-One decoder layer at a time is gathered to global rank 0 (its tensors over FSDP2's mesh when the
-model is sharded, its experts over the EP group) and written to its own safetensors shard before
-the next one, so rank 0 never holds more than one layer in full. The names are the model's in-memory names
-(fused ``gate_up_proj`` / ``down_proj``), which unmodified transformers loads directly; an index
-file maps names to shards. Everything is written into a temporary directory first and moved into
+The files are those transformers' ``save_pretrained`` writes for the unmodified model (one
+``model.safetensors`` below ``max_shard_size``, else numbered shards and an index; the checkpoint
+format's own tensor names by default; ``config.json`` with ``architectures`` and ``dtype``). One decoder
+layer at a time is gathered to global rank 0 (its tensors over FSDP2's mesh when the model is sharded,
+its experts over the EP group) and added to the shard being filled, so rank 0 holds at most one layer
+in full and one shard. Everything is written into a temporary directory first and moved into
 place (see :func:`_publish`), so an interrupted save leaves no half-written checkpoint, and saving
 into an existing directory keeps the files that are not weights.
 """
@@ -22,10 +23,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from ..hf import original_format, save_remote_code, size_in_bytes, storage_key
 from ..runtime import ExpertParallelError, local_rows
 from ..runtime.gradients import rank_local_modules
+from .checkpoint_files import expert_slices, natural_key
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 def _holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -77,81 +81,159 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _units(model: nn.Module) -> list[tuple[list[tuple[str, torch.Tensor]], list[tuple[str, nn.Module]]]]:
-    """The state dict cut into what is gathered and written together: one unit per decoder layer
-    (its own tensors and its experts holders), then everything outside the layers. Tied tensors
-    appear once. The same order on every rank: gathering is collective."""
-    holders = _holders(model)
-    expert_names = {f"{path}.{w}" for path, m in holders for w in m.hp_layout.weight_names}
+#: one tensor of a unit: (name, tensor, experts holder and weight name for an expert weight, else None)
+Entry = tuple[str, torch.Tensor, tuple[nn.Module, str] | None]
+
+
+def _units(model: nn.Module, sort: bool) -> list[list[Entry]]:
+    """The state dict cut into what is gathered and written together: one unit per decoder layer, one
+    per tensor outside the layers, in the order transformers writes them (the state dict's; sorted by
+    name, ``sort``, as its reverting to the checkpoint format sorts them). Tied tensors appear once, under
+    the first name. The same order on every rank: gathering is collective."""
+    experts = {f"{path}.{w}": (m, w) for path, m in _holders(model) for w in m.hp_layout.weight_names}
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [n for n, m in model.named_modules() if n and type(m).__name__ in layer_classes]
     layers = [n for n in layers if not any(n.startswith(f"{o}.") for o in layers)]  # outermost only
-    units: dict[str, tuple[list, list]] = {n: ([], []) for n in [*layers, ""]}
-
-    def unit_of(name: str) -> str:
-        return next((n for n in layers if name.startswith(f"{n}.")), "")
-
+    units: dict[str, list[Entry]] = {}
     seen = set()
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])  # as save_pretrained drops them
     for name, t in model.state_dict(keep_vars=True).items():
-        if name in expert_names or id(t) in seen:
-            continue  # experts come per holder; tied weights are written once
+        if id(t) in seen or name in ignored:
+            continue
         seen.add(id(t))
-        units[unit_of(name)][0].append((name, t))
-    for path, holder in holders:
-        units[unit_of(f"{path}.")][1].append((path, holder))
-    return [u for u in units.values() if u[0] or u[1]]
+        layer = next((n for n in layers if name.startswith(f"{n}.")), name)
+        units.setdefault(layer, []).append((name, t, experts.get(name)))
+    order = sorted(units, key=natural_key) if sort else list(units)
+    return [units[k] for k in order]
 
 
-def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """Write ``model`` (expert-parallel or not, FSDP2-sharded or not) as a checkpoint unmodified
-    transformers can load.
+def _gathered(name: str, t: torch.Tensor, expert: tuple[nn.Module, str] | None) -> torch.Tensor | None:
+    """The full tensor on global rank 0 (collective over FSDP2's mesh and the EP group); None elsewhere."""
+    if expert is None:
+        value = _full(t.detach())
+        return value.contiguous().clone() if not _is_distributed() or dist.get_rank() == 0 else None
+    holder, w = expert
+    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    local = _full(layout.param(holder, w).detach())  # this EP rank's experts, whole
+    if binding.ep.replica_rank != 0:
+        return None  # the first replica's EP group holds every expert once
+    tail = None  # the zero experts' rows after the local ones: the same on every rank
+    if w in layout.padded_names:
+        local, tail = local[: binding.placement.num_local], local[binding.placement.num_local :]
+    full = _gather_full(layout.per_expert(local), binding)
+    if full is None or (_is_distributed() and dist.get_rank() != 0):
+        return None
+    return layout.stored(full if tail is None else torch.cat([full, tail]))  # flat layouts: the stored [E*R, C]
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class _ShardWriter:
+    """Tensors cut into shards exactly as ``save_pretrained`` cuts a state dict (huggingface_hub's
+    split: in order, a new shard when the next tensor would pass ``max_bytes``, a larger tensor alone,
+    views of one storage counted once and kept with the first), written unit by unit; named at the end:
+    one ``model.safetensors``, or numbered shards and an index."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self.shards: list[dict[str, torch.Tensor] | list[str]] = []  # open (tensors) or written (names)
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = self.total_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """One unit's tensors; every shard but the one being filled is written afterwards."""
+        first_of: dict[object, dict[str, torch.Tensor]] = {}  # storage -> the shard of its first tensor
+        for name, t in tensors.items():
+            storage, size = storage_key(t)
+            if storage is not None and storage in first_of:
+                first_of[storage][name] = t
+                continue
+            self.total_bytes += size
+            if size > self.max_bytes:
+                shard = {name: t}
+                self.shards.append(shard)
+            else:
+                if self.current_bytes + size > self.max_bytes:
+                    self.shards.append(self.current)
+                    self.current, self.current_bytes = {}, 0
+                self.current[name] = t
+                self.current_bytes += size
+                shard = self.current
+            if storage is not None:
+                first_of[storage] = shard
+        for i, shard in enumerate(self.shards):
+            if isinstance(shard, dict):
+                self._write(i, shard)
+
+    def _write(self, i: int, shard: dict[str, torch.Tensor]) -> None:
+        save_file({k: t.contiguous() for k, t in shard.items()}, self.directory / f".shard-{i}",
+                  metadata={"format": "pt"})
+        self.shards[i] = list(shard)
+
+    def finish(self, total_parameters: int) -> None:
+        if self.current:
+            self.shards.append(self.current)
+            self._write(len(self.shards) - 1, self.current)
+        if len(self.shards) <= 1:
+            if self.shards:
+                os.replace(self.directory / ".shard-0", self.directory / SINGLE_FILE)
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            shard = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            os.replace(self.directory / f".shard-{i}", self.directory / shard)
+            weight_map.update(dict.fromkeys(names, shard))
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": self.total_bytes},
+                 "weight_map": weight_map}
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _total_parameters(model: nn.Module) -> int:
+    """``num_parameters()`` of the unmodified model: every expert counted, tied weights once."""
+    slices = expert_slices(model)
+    total, seen = 0, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        sl = slices.get(name)
+        total += p.numel() if sl is None else p.numel() // sl.local_dim0 * sl.full_dim0
+    return total
+
+
+def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size: int | str = "50GB",
+                    save_original_format: bool = True) -> Path:
+    """Write ``model`` (expert-parallel or not, FSDP2-sharded or not) as transformers' ``save_pretrained``
+    writes the unmodified model: ``model.safetensors`` below ``max_shard_size`` (else numbered shards and
+    an index), the names of the checkpoint format it was loaded from (``save_original_format``; else the
+    in-memory names), ``config.json`` with ``architectures`` and ``dtype``, the generation config and a
+    remote-code model's code files.
 
     Collective: every rank must call it. One decoder layer at a time is gathered (its tensors over
-    FSDP2's mesh, its experts over the EP group) and written by global rank 0 into its own shard,
-    so rank 0 never holds more than one layer in full.
+    FSDP2's mesh, its experts over the EP group) to global rank 0, which holds at most that layer and
+    one shard being filled.
     """
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = _is_distributed()
     rank = dist.get_rank() if distributed else 0
     out = Path(out_dir)
-    units = _units(model)
-    tmp = None
+    units = _units(model, sort=save_original_format)
+    total_parameters = _total_parameters(model)
+    tmp = writer = None
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        writer = _ShardWriter(tmp, size_in_bytes(max_shard_size))
     try:
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, (tensors, holders) in enumerate(units):
-            shard = f"model-{i + 1:05d}-of-{len(units):05d}.safetensors"
-            written = {}
-            for name, t in tensors:
-                value = _full(t.detach())
-                if rank == 0:
-                    written[name] = value.contiguous().clone()
-            for path, holder in holders:
-                binding, layout = holder.hp_expert_parallel, holder.hp_layout
-                for w in layout.weight_names:
-                    local = _full(layout.param(holder, w).detach())  # this EP rank's experts, whole
-                    if binding.ep.replica_rank != 0:
-                        continue  # the first replica's EP group holds every expert once
-                    tail = None  # the zero experts' rows after the local ones: the same on every rank
-                    if w in layout.padded_names:
-                        local, tail = local[: binding.placement.num_local], local[binding.placement.num_local :]
-                    full = _gather_full(layout.per_expert(local), binding)
-                    if rank == 0:  # flat layouts: back to the stored [E*R, C]
-                        written[f"{path}.{w}"] = layout.stored(full if tail is None else torch.cat([full, tail]))
+        for unit in units:
+            written = {name: _gathered(name, t, expert) for name, t, expert in unit}
             if rank == 0:
-                save_file(written, tmp / shard, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(written, shard))
-                total += sum(t.numel() * t.element_size() for t in written.values())
+                writer.add(original_format(model, written) if save_original_format else written)
             del written
         if rank == 0:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-            model.config.save_pretrained(tmp)
-            generation = getattr(model, "generation_config", None)
-            if generation is not None:
-                generation.save_pretrained(tmp)
+            writer.finish(total_parameters)
+            _save_config(model, tmp)
             _publish(tmp, out)
             tmp = None
     finally:
@@ -160,6 +242,20 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
         if distributed:
             dist.barrier()
     return out
+
+
+def _save_config(model: nn.Module, directory: Path) -> None:
+    """``config.json`` (with ``dtype`` and ``architectures`` set, as ``save_pretrained`` sets them on the
+    model's config), the generation config and a remote-code model's code files."""
+    config = model.config
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        config.dtype = str(dtype).split(".")[1]
+    config.architectures = [type(model).__name__]
+    save_remote_code(model, directory)
+    config.save_pretrained(directory)
+    if getattr(model, "can_generate", lambda: False)() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
 
 
 def load_full_checkpoints(model: nn.Module) -> None:

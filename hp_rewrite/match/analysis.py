@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError, ExpertParallelGroup, ExpertPlacement
@@ -83,8 +84,9 @@ def analyze(model: nn.Module, plan, *, collect_errors: bool = False) -> Analysis
         if key not in by_class:
             router = getattr(s.block, s.router_name) if s.router_name else None
             try:
-                by_class[key] = choose_archetype(s, forced, recorded_router=type(router) in recorded,
-                                                 extensions=extensions)
+                with torch.device("cpu"):  # the probe runs real tiny tensors, even under a meta-device context
+                    by_class[key] = choose_archetype(s, forced, recorded_router=type(router) in recorded,
+                                                     extensions=extensions)
             except Exception as e:  # noqa: BLE001
                 if not collect_errors:
                     raise

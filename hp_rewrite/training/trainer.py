@@ -6,7 +6,8 @@ engine guard makes DDP and ``clip_grad_norm_`` exact (:mod:`hp_rewrite.runtime.e
 resuming do, because Trainer writes from rank 0 alone and each rank holds different experts:
 
 * ``save_model`` (also called for every checkpoint) becomes collective: the experts are gathered
-  and rank 0 writes a standard checkpoint that unmodified transformers loads;
+  and rank 0 writes a standard checkpoint that unmodified transformers loads (checkpoints with the
+  in-memory names, which Trainer's resume reads, see ``_save_model``);
 * a checkpoint gets one small file per rank with the optimizer state of that rank's experts
   (``optimizer.pt``, written by rank 0, holds rank 0's); resuming puts each rank's back;
 * resuming reads the full checkpoint's experts into each rank's rows (``load_state_dict`` on the
@@ -124,9 +125,14 @@ class ExpertParallelCallback(TrainerCallback):
 
 
 def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-    """Trainer.save_model on every rank: the experts are gathered, rank 0 writes."""
+    """Trainer.save_model on every rank: the experts are gathered, rank 0 writes.
+
+    A checkpoint written during training (``_internal_call``) keeps the in-memory tensor names: Trainer
+    resumes with ``load_state_dict(strict=False)``, which would skip the checkpoint format's per-expert
+    keys without an error (plain transformers' own checkpoints of MoE models lose their experts on
+    resume that way). ``save_model`` by the user writes what ``save_pretrained`` writes."""
     output_dir = output_dir if output_dir is not None else self.args.output_dir
-    save_pretrained(self.model, output_dir)
+    save_pretrained(self.model, output_dir, save_original_format=not _internal_call)
     if self.args.should_save:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)

@@ -1,0 +1,119 @@
+"""``from_pretrained`` as transformers runs it, with only this rank's experts read.
+
+transformers resolves everything a user passes (the class called or the one an Auto class picks,
+``config=``, ``dtype`` with its ``"auto"`` default, ``attn_implementation``, ``key_mapping``,
+``subfolder``, ``revision``, ``trust_remote_code``...), builds the model on the meta device and then
+calls ``_load_pretrained_model(model, state_dict, checkpoint_files, load_config)`` to read the weights.
+For the length of one call, :func:`load_rewritten` puts :class:`LocalExpertsLoad` in that place: on the
+meta model it installs the plan (local expert shapes) and reads the checkpoint files transformers
+resolved, only this rank's experts among them, with transformers' own renamings and converters
+(:func:`hp_rewrite.loading.local.prepare_model`). It returns transformers' loading report, so the rest
+of ``from_pretrained`` (missing weights initialised, ties, the report logged, generation config,
+``output_loading_info``) runs unchanged.
+
+Where only-local reading cannot apply (a ``state_dict``, ``.bin`` or quantised checkpoints, DeepSpeed
+ZeRO-3), transformers reads the whole model, a warning says why, and the experts are sharded after.
+Options that would place one rank's experts elsewhere (a ``device_map`` over several devices, a
+transformers ``tp_plan`` / ``distributed_config``) are refused by name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..hf import deepspeed_zero3, loading_info, pretrained_model_class
+from ..runtime import ExpertParallelError, ExpertParallelGroup
+from .checkpoint_files import Reader
+
+
+class LocalExpertsLoad:
+    """transformers' ``_load_pretrained_model`` for one ``from_pretrained`` call (its first use only:
+    an adapter loaded afterwards goes through transformers' own)."""
+
+    def __init__(self, plan, ep: ExpertParallelGroup, artifact_dir: Path, original: Callable) -> None:
+        self.plan, self.ep, self.artifact_dir, self.original = plan, ep, artifact_dir, original
+        self.loading = None  # the PreparedLoad, once the weights were read here
+        self.whole_model: str | None = None  # why transformers read the whole model instead
+        self.used = False
+
+    def __call__(self, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        if self.used:
+            return self.original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        self.used = True
+        device = _single_device(load_config)
+        self.whole_model = _why_whole_model(state_dict, checkpoint_files, load_config)
+        if self.whole_model is not None:
+            return self.original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        from .local import prepare_model
+
+        reader = Reader(None, files=[Path(f) for f in checkpoint_files])
+        loading = prepare_model(model, reader, self.plan, self.ep, self.artifact_dir, load_config.dtype,
+                                list(load_config.weight_mapping or []), device)
+        loading.fill()
+        self.loading = loading
+        return loading_info(loading.missing, set(loading.unexpected.values())), None
+
+
+def _single_device(load_config) -> torch.device | None:
+    """The one device of ``device_map`` (None without one); several devices or disk are refused."""
+    device_map = load_config.device_map
+    if not device_map:
+        return None
+    devices = set(device_map.values())
+    if len(devices) > 1 or "disk" in devices:
+        raise ExpertParallelError(
+            f"from_pretrained(device_map=...) places the model on {sorted(map(str, devices))}: an expert-parallel "
+            "rank keeps its experts and every other weight on one device; pass device_map=<that device> (or none)"
+        )
+    device = next(iter(devices))
+    return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+
+
+def _why_whole_model(state_dict, checkpoint_files, load_config) -> str | None:
+    """Why only-local reading cannot take this load (None when it can)."""
+    if load_config.device_mesh is not None:
+        raise ExpertParallelError(
+            "from_pretrained(tp_plan=... / distributed_config=...): transformers' own tensor or expert "
+            "parallelism would shard the weights the plan shards; drop it and set ep_size in the plan"
+        )
+    if state_dict is not None:
+        return "from_pretrained(state_dict=...) hands over tensors already in memory"
+    if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+        return "the checkpoint is not in safetensors files (only those can be read a rank's experts at a time)"
+    if load_config.hf_quantizer is not None:
+        method = getattr(load_config.hf_quantizer.quantization_config, "quant_method", "quantized")
+        return f"the checkpoint is quantised ({method}): transformers' quantiser reads it"
+    if deepspeed_zero3():
+        return "DeepSpeed ZeRO-3 is enabled: it loads the weights itself"
+    return None
+
+
+def load_rewritten(call: Callable[[], object], plan, ep: ExpertParallelGroup, artifact_dir: Path,
+                   rewrite: Callable, attach: Callable):
+    """Run ``call`` (a ``from_pretrained``) with :class:`LocalExpertsLoad` in place, and return its result
+    with the model rewritten: installed and read by rank while loading, or (the whole-model case, with a
+    warning) rewritten after by ``rewrite(model)``. ``attach(model, loading)`` marks a model loaded here.
+    A call inside another one (``hp_rewrite.from_pretrained`` under ``auto_patch``) is left to the outer."""
+    owner = pretrained_model_class()
+    original = owner.__dict__["_load_pretrained_model"]
+    if isinstance(original.__func__, LocalExpertsLoad):
+        return call()
+    hook = LocalExpertsLoad(plan, ep, artifact_dir, original.__func__)
+    owner._load_pretrained_model = staticmethod(hook)
+    try:
+        result = call()
+    finally:
+        owner._load_pretrained_model = original
+    model = result[0] if isinstance(result, tuple) else result
+    if hook.loading is not None:
+        attach(model, hook.loading)
+    else:
+        if hook.whole_model is not None:
+            warnings.warn(f"hp-rewrite: transformers read the whole model on every rank ({hook.whole_model}); "
+                          "its experts are sharded after loading", stacklevel=3)
+        rewrite(model)
+    return result

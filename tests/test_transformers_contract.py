@@ -1,0 +1,217 @@
+"""The model transformers would build (#25): under auto_patch, ``Cls.from_pretrained`` gives what plain
+transformers gives for the same call (class, config fields, parameter dtypes, loading info, weights)
+for every head class, from checkpoints saved by several of them; a bf16 checkpoint stays bf16 with sdpa."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hp_rewrite
+from hp_rewrite.hf import quiet_transformers
+from hp_rewrite.hf.shrink import tiny_config
+from hp_rewrite.launch import run_world
+from hp_rewrite.plan import Plan
+from hp_rewrite.tiny import build_tiny_model
+
+from .save_cases import assert_same_files
+
+EP1 = Plan.model_validate({"version": 1, "ep_size": 1})
+FAMILIES = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "mixtral": "Mixtral"}
+HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+SOURCES = ("ForCausalLM", "Model", "ForSequenceClassification")  # the class that saved the checkpoint
+CONFIG_FIELDS = ("_attn_implementation", "dtype", "architectures", "_experts_implementation", "model_type")
+
+
+def heads(family: str) -> list[str]:
+    return [h for h in HEADS if hasattr(transformers, FAMILIES[family] + h)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """A bf16 checkpoint of each family, saved by each source class (the same random weights)."""
+    root = tmp_path_factory.mktemp("contract")
+    out = {}
+    for family, prefix in FAMILIES.items():
+        causal = build_tiny_model(tiny_config(family), seed=0).to(torch.bfloat16)
+        for source in SOURCES:
+            cls = getattr(transformers, prefix + source)
+            with quiet_transformers():
+                model = causal if source == "ForCausalLM" else cls._from_config(causal.config, dtype=torch.bfloat16)
+                if source != "ForCausalLM":
+                    base = getattr(model, model.base_model_prefix, model)
+                    base.load_state_dict(causal.model.state_dict())
+                model.save_pretrained(root / f"{family}-{source}")
+            out[family, source] = root / f"{family}-{source}"
+    return out
+
+
+def _load(cls, directory: Path, **kwargs):
+    torch.manual_seed(0)  # weights the checkpoint lacks are drawn in the same order on both paths
+    with quiet_transformers():
+        return cls.from_pretrained(directory, output_loading_info=True, **kwargs)
+
+
+def _compare(plain, plain_info, ours, ours_info) -> None:
+    assert type(ours) is type(plain)
+    assert ours_info == plain_info
+    for field in CONFIG_FIELDS:
+        assert getattr(ours.config, field, None) == getattr(plain.config, field, None), field
+    theirs = plain.state_dict()
+    mine = ours.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert mine[name].dtype == t.dtype and mine[name].device == t.device, name
+        assert torch.equal(mine[name], t), name
+    assert ours.hp_rewrite.patched and not ours.training
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_head_class_from_checkpoints_of_several_classes(family, checkpoints, tmp_path) -> None:
+    for source in SOURCES:
+        for head in heads(family):
+            cls = getattr(transformers, FAMILIES[family] + head)
+            plain, plain_info = _load(cls, checkpoints[family, source])
+            with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+                ours, ours_info = _load(cls, checkpoints[family, source])
+            _compare(plain, plain_info, ours, ours_info)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_checkpoint_stays_bf16_with_sdpa_and_computes_the_same(family, checkpoints, tmp_path) -> None:
+    """Defaults as transformers: the checkpoint's dtype and sdpa; through the Auto class and through
+    hp_rewrite.from_pretrained; the forward equals the unmodified model's (fp32 tight when asked for)."""
+    directory = checkpoints[family, "ForCausalLM"]
+    auto = transformers.AutoModelForCausalLM
+    plain = auto.from_pretrained(directory)
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours = auto.from_pretrained(directory)
+    one_call = hp_rewrite.from_pretrained(directory, plan=EP1, artifact_dir=tmp_path / "art")
+    for model in (ours, one_call):
+        assert type(model) is type(plain) and model.dtype == torch.bfloat16 == plain.dtype
+        assert model.config._attn_implementation == plain.config._attn_implementation
+    # transformers' choice: sdpa, except for gpt-oss, whose attention sinks sdpa lacks
+    assert plain.config._attn_implementation == ("eager" if family == "gpt_oss" else "sdpa")
+    ids = torch.randint(0, plain.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    plain32 = auto.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours32 = auto.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    assert ours32.config._attn_implementation == "eager" and ours32.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(ours32(input_ids=ids).logits, plain32(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        # bf16: the same weights; the local experts sum in another order than transformers' grouped_mm
+        torch.testing.assert_close(ours(input_ids=ids).logits.float(), plain(input_ids=ids).logits.float(),
+                                   rtol=0, atol=0.1)
+
+
+def test_whole_model_paths_warn_and_bad_device_maps_are_refused(checkpoints, tmp_path) -> None:
+    directory = checkpoints["qwen3_moe", "ForCausalLM"]
+    state = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        with pytest.warns(UserWarning, match=r"whole model .*state_dict"):
+            model = transformers.Qwen3MoeForCausalLM.from_pretrained(None, config=transformers.AutoConfig.from_pretrained(
+                directory), state_dict=state)
+        assert model.hp_rewrite.patched and model.dtype == torch.bfloat16
+        with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match="device_map"):
+            transformers.AutoModelForCausalLM.from_pretrained(directory, device_map={"model": "cpu", "lm_head": "meta"})
+        single = transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu")
+        assert single.hp_rewrite.load_report is not None and single.device.type == "cpu"
+
+
+def test_expert_parallel_load_keeps_transformers_defaults(checkpoints, tmp_path) -> None:
+    """At EP=2 on gloo: the class, bf16 and sdpa of plain transformers, only this rank's experts read."""
+    payload = {"model_dir": str(checkpoints["qwen3_moe", "ForCausalLM"]), "out_dir": str(tmp_path)}
+    for r in run_world(2, "tests.training_cases:contract_world", payload):
+        assert r["class"] == "Qwen3MoeForCausalLM" and r["dtype"] == "torch.bfloat16" and r["attn"] == "sdpa", r
+        assert r["local"] == [r["experts"] // 2] * len(r["local"]), r
+        assert r["bytes_read"] < r["file_bytes"], r
+        assert r["err"] <= 0.1, r
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_pretrained_writes_what_transformers_writes(family, checkpoints, tmp_path) -> None:
+    """One file below max_shard_size, shards + index above it (the same cut), the checkpoint format's
+    names by default, the in-memory ones with save_original_format=False, the same config.json."""
+    directory = checkpoints[family, "ForCausalLM"]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    options = [{}, {"max_shard_size": "60KB"}, {"max_shard_size": "60KB", "save_original_format": False},
+               {"safe_serialization": False, "is_main_process": True}]
+    for i, kwargs in enumerate(options):
+        with quiet_transformers():
+            plain.save_pretrained(tmp_path / f"plain{i}", **kwargs)
+            ours.save_pretrained(tmp_path / f"ours{i}", **kwargs)
+        assert_same_files(tmp_path / f"ours{i}", tmp_path / f"plain{i}")
+    assert (tmp_path / "ours0" / "model.safetensors").is_file()
+    assert (tmp_path / "ours1" / "model.safetensors.index.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours0")
+    for name, t in plain.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], t), name
+
+
+def test_save_pretrained_refuses_what_it_cannot_honour_by_name(checkpoints, tmp_path) -> None:
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "ForCausalLM"])
+    for kwargs, name in (({"push_to_hub": True}, "push_to_hub"), ({"variant": "ema"}, "variant"),
+                         ({"distributed_checkpoint": True}, "distributed_checkpoint")):
+        with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match=name):
+            ours.save_pretrained(tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_from_pretrained_options_behave_as_in_transformers(checkpoints, tmp_path) -> None:
+    """subfolder, key_mapping, config=, use_safetensors, low_cpu_mem_usage, local_files_only, revision:
+    transformers resolves them, only the reading of the weights is ours (and reads only local experts)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints["qwen3_moe", "ForCausalLM"]
+    shutil.copytree(source, tmp_path / "repo" / "sub")
+    renamed = tmp_path / "renamed"
+    shutil.copytree(source, renamed)
+    state = load_file(renamed / "model.safetensors")
+    save_file({k.replace("model.", "backbone.", 1): v for k, v in state.items()}, renamed / "model.safetensors",
+              metadata={"format": "pt"})
+    config = transformers.AutoConfig.from_pretrained(source, output_router_logits=True)
+    cls = transformers.Qwen3MoeForCausalLM
+    calls = [
+        (tmp_path / "repo", {"subfolder": "sub"}),
+        (renamed, {"key_mapping": {r"^backbone\.": "model."}}),
+        (source, {"config": config}),
+        (source, {"use_safetensors": True, "low_cpu_mem_usage": True, "local_files_only": True, "revision": "main"}),
+        (source, {"dtype": "auto", "attn_implementation": "eager", "output_router_logits": True}),
+    ]
+    for directory, kwargs in calls:
+        plain, plain_info = _load(cls, directory, **kwargs)
+        with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+            ours, ours_info = _load(cls, directory, **kwargs)
+        _compare(plain, plain_info, ours, ours_info)
+        assert ours.config.output_router_logits == plain.config.output_router_logits, kwargs
+        assert ours.hp_rewrite.load_report is not None, kwargs  # read by rank, not the whole-model path
+
+
+def test_meta_device(checkpoints, tmp_path) -> None:
+    """A model built under torch.device("meta") is rewritten with no cached artifact (the probe runs on
+    real tiny tensors) and stays on meta; a meta-device from_pretrained gives transformers' own error."""
+    from hp_rewrite.hf import auto_class_for, instantiate
+    from hp_rewrite.loading.patch import rewrite_model
+
+    config = tiny_config("deepseek_v3")
+    with torch.device("meta"):
+        model = rewrite_model(instantiate(auto_class_for(config), config), EP1, artifact_dir=tmp_path / "fresh")
+    assert model.hp_rewrite.patched and all(p.is_meta for p in model.parameters())
+    errors = []
+    for patched in (False, True):
+        with pytest.raises(RuntimeError) as e, torch.device("meta"):
+            if patched:
+                with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+                    transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "ForCausalLM"])
+            else:
+                transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "ForCausalLM"])
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "meta device" in errors[0]
