@@ -105,6 +105,20 @@ def test_bf16_checkpoint_stays_bf16_with_sdpa_and_computes_the_same(family, chec
         # bf16: the same weights; the local experts sum in another order than transformers' grouped_mm
         torch.testing.assert_close(ours(input_ids=ids).logits.float(), plain(input_ids=ids).logits.float(),
                                    rtol=0, atol=0.1)
+    # fp32 with transformers' default attention, in training mode: logits and every gradient
+    plain_sdpa = auto.from_pretrained(directory, dtype=torch.float32).train()
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours_sdpa = auto.from_pretrained(directory, dtype=torch.float32).train()
+    upstream = torch.randn(2, 8, plain.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    for model in (plain_sdpa, ours_sdpa):
+        (model(input_ids=ids).logits * upstream).sum().backward()
+    theirs = dict(plain_sdpa.named_parameters())
+    for name, p in ours_sdpa.named_parameters():
+        ref = theirs[name].grad
+        if ref is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name)
 
 
 def test_whole_model_paths_warn_and_bad_device_maps_are_refused(checkpoints, tmp_path) -> None:
