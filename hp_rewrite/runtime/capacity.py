@@ -8,7 +8,6 @@ experts', see :mod:`.zero_experts`) stay as they are and count for no expert.
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -33,10 +32,18 @@ def count_per_expert(flat_indices: torch.Tensor, num_experts: int) -> torch.Tens
     return counts[:num_experts]
 
 
+@torch.compiler.assume_constant_result
+def _decimal_ratio(capacity_factor: float) -> tuple[int, int]:
+    """The factor as the decimal the user wrote (1.1 is 11/10, not its binary neighbour), as ints a
+    compiled graph keeps as constants."""
+    exact = Fraction(str(capacity_factor))
+    return exact.numerator, exact.denominator
+
+
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Slots one expert accepts from one rank: ``ceil(capacity_factor * tokens * top_k / num_experts)``."""
-    exact = Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts  # 1.1 stays 11/10
-    return math.ceil(exact)
+    num, den = _decimal_ratio(capacity_factor)
+    return -(-(num * num_tokens * top_k) // (den * num_experts))  # exact ceil in ints
 
 
 def apply_capacity(

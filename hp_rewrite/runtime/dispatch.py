@@ -15,6 +15,10 @@ Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``
    transformers' ``grouped_mm`` path. The weights multiply expert *outputs* on the sender, so the router gradient is
    exact.
 
+At ep 1 there is nothing to exchange: steps 3-4 and chunking are skipped, every slot is a row and the
+grouped GEMMs take their offsets on the device, so the layer has no host value at all
+(:class:`~.exchange.OnRankExchange`; ``torch.compile(fullgraph=True)`` traces it whole).
+
 Steps 2 and 4-6 differ between the per-slot exchange and the deduplicated one (``options.dedup``,
 the default at ep > 1: one row per (token, destination rank), weighted and summed on the owning rank):
 each is a :class:`~.exchange.TokenExchange`, chosen once per layer (:func:`~.exchange.exchange_for`).
@@ -41,7 +45,7 @@ from . import comm
 from .capacity import apply_capacity, count_per_expert
 from .context import ExchangeRuntime
 from .deferred import WeightGradQueue
-from .exchange import Chunk, TokenExchange, exchange_for
+from .exchange import ON_RANK, PER_SLOT, Chunk, TokenExchange, exchange_for
 from .experts import LocalBatch, holder_of, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
@@ -57,7 +61,7 @@ class DispatchStats:
     dropped_per_expert: [E] slots this rank dropped for capacity (zeros when dropless).
     rows_sent / rows_received: rows this rank sent / received in the dispatch exchange (to and from
         itself included; with dedup one per (token, destination rank)); the combine exchange moves the
-        same counts back.
+        same counts back. At ep 1 every routed slot is a row (dropped ones too, zeroed).
     bytes_sent / bytes_received: the same in bytes, dispatch direction (with dedup each row also carries
         its 2k side values; the combine rows do not).
     """
@@ -174,8 +178,19 @@ def dispatch(
 
     slot_of = None if placement.is_contiguous else placement.slot_table(indices.device)
     slots = indices if slot_of is None else slot_of[indices]  # sort by owner slot, not expert id
-    bounds = _chunk_bounds(num_tokens, options.chunks)
     link = Link(ep.group, ep.size, options.overlap, runtime.hooks(options, ep.size))
+    if ep.size == 1 and exchange is PER_SLOT:  # nothing to exchange: no counts, no host sync, no chunks
+        sentinels = options.capacity_factor is not None or bool(zero_experts)
+        chunk = ON_RANK.chunk(hidden, slots, num_experts, sentinels)
+        per_slot = count_per_expert(slots.reshape(-1), num_experts)
+        stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
+        stats.rows_sent = stats.rows_received = chunk.send_splits[0]
+        stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
+        return RoutedDispatch(
+            ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, [chunk], stats, placement,
+            ON_RANK, link, None, identity=identity,
+        )
+    bounds = _chunk_bounds(num_tokens, options.chunks)
     counts, plans = [], []
     for b in bounds:
         plans.append(exchange.plan(slots[b], n_local, ep.size))
@@ -243,7 +258,9 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     combines = []
     for chunk in state.chunks:
         x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
-        y = _run_experts(experts, LocalBatch.from_counts(x, chunk.local_counts, compute, fill), via_call)
+        batch = (LocalBatch(x, None, chunk.offsets, compute, fill) if chunk.offsets is not None
+                 else LocalBatch.from_counts(x, chunk.local_counts, compute, fill))
+        y = _run_experts(experts, batch, via_call)
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
     outs = [

@@ -27,6 +27,7 @@ import torch
 
 from ..kernels import npu_permute
 from . import comm, dedup
+from .capacity import count_per_expert
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Chunk:
     """One chunk of a layer's tokens, in flight between dispatch and combine.
 
     send_splits / recv_splits: rows sent to / received from each rank (host ints).
-    local_counts: received rows per local expert, all sources.
+    local_counts: received rows per local expert, all sources (None on :class:`OnRankExchange`'s chunk,
+        whose ``offsets`` stay on the device).
     exchanges: the dispatch exchanges in flight, one per tensor :meth:`TokenExchange.send` returned.
     route: what the layer's :class:`TokenExchange` keeps to regroup and combine this chunk.
     """
@@ -42,9 +44,10 @@ class Chunk:
     tokens: slice
     send_splits: list[int]
     recv_splits: list[int]
-    local_counts: list[int]
+    local_counts: list[int] | None
     exchanges: list[comm.PendingExchange] = field(default_factory=list)
     route: Any = None
+    offsets: torch.Tensor | None = None
 
 
 class TokenExchange(Protocol):
@@ -157,15 +160,62 @@ class PerSlotExchange:
             slots = self._unsort(back, rows)
         else:  # dropped slots stay zero
             slots = back.new_zeros((n_slots, hidden_size)).index_copy(0, rows, back)
-        dtype = torch.promote_types(slots.dtype, weights.dtype)
-        weighted = torch.bmm(weights.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, top_k, hidden_size))
-        return weighted.squeeze(1)
+        return _weighted_sum(slots, weights, top_k, hidden_size)
 
     def _unsort(self, back: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Row ``i`` of ``back`` to position ``rows[i]`` (``rows``: a permutation)."""
         inverse = torch.empty_like(rows)
         inverse[rows] = torch.arange(len(rows), device=inverse.device)
         return back.index_select(0, inverse)
+
+
+def _weighted_sum(slots: torch.Tensor, weights: torch.Tensor, top_k: int, hidden_size: int) -> torch.Tensor:
+    """``sum_k weights[t,k] * slots[t*K + k]``: one batched matmul in the promoted dtype."""
+    dtype = torch.promote_types(slots.dtype, weights.dtype)
+    n_tok = weights.shape[0]
+    weighted = torch.bmm(weights.to(dtype).unsqueeze(1), slots.to(dtype).view(n_tok, top_k, hidden_size))
+    return weighted.squeeze(1)
+
+
+@dataclass
+class _OnRankRoute:
+    order: torch.Tensor  # slot ids sorted by expert, the sentinel ones (dropped, zero experts') last
+    kept: torch.Tensor | None  # [n_slots, 1] in that order: a real expert's slot (None: all are)
+
+
+class OnRankExchange:
+    """ep 1: every row stays on this rank, so there is no count exchange and no host value at all: the
+    grouped GEMMs take their offsets on the device, and ``torch.compile(fullgraph=True)`` traces the
+    layer whole. Every slot is a row, so the shapes do not depend on the routing: the sentinel slots
+    (capacity drops, zero experts') sort last into the last local expert's group and their outputs
+    are zeroed before the weighted sum (their gradients are exactly zero)."""
+
+    def chunk(self, hidden: torch.Tensor, slots: torch.Tensor, num_experts: int, sentinels: bool) -> Chunk:
+        """The layer's one chunk, its rows (expert-major) ready for the experts. ``sentinels``: whether
+        any slot may hold the sentinel id ``num_experts`` (capacity, zero experts)."""
+        flat = slots.reshape(-1)
+        n_slots, top_k = flat.shape[0], slots.shape[1]
+        order = torch.sort(flat, stable=True).indices
+        ends = count_per_expert(flat, num_experts).cumsum(0)
+        offsets = torch.cat([ends[:-1], ends.new_full((1,), n_slots)]).to(torch.int32)  # sentinels: last group
+        kept = (flat.index_select(0, order) < num_experts).unsqueeze(1) if sentinels else None
+        chunk = Chunk(slice(0, slots.shape[0]), [n_slots], [n_slots], None, route=_OnRankRoute(order, kept),
+                      offsets=offsets)
+        rows = hidden.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+        chunk.exchanges.append(comm.exchange(rows, [n_slots], [n_slots], None, overlap=False))  # stays here
+        return chunk
+
+    def expert_rows(self, chunk, top_k, num_local, hidden_size):
+        return chunk.exchanges[0].wait(), None
+
+    def returned_rows(self, chunk, y, held, top_k, weights_dtype):
+        kept = chunk.route.kept
+        return y if kept is None else torch.where(kept, y, torch.zeros_like(y))
+
+    def combine(self, chunk, back, weights, top_k, hidden_size):
+        inverse = torch.empty_like(chunk.route.order)
+        inverse[chunk.route.order] = torch.arange(inverse.shape[0], device=inverse.device)
+        return _weighted_sum(back.index_select(0, inverse), weights, top_k, hidden_size)
 
 
 class NpuPerSlotExchange(PerSlotExchange):
@@ -237,6 +287,7 @@ class DedupExchange:
 
 
 PER_SLOT = PerSlotExchange()
+ON_RANK = OnRankExchange()
 NPU_PER_SLOT = NpuPerSlotExchange()
 DEDUP = DedupExchange()
 

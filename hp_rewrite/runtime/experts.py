@@ -221,12 +221,13 @@ def holder_of(module: nn.Module) -> nn.Module | None:
 class LocalBatch:
     """Rows for this rank's experts, grouped by local expert.
 
-    counts: rows per local expert (host ints, known from the one split-size sync per layer).
-    offsets: cumulative counts on the device (int32), as grouped GEMMs want them.
+    offsets: cumulative rows per local expert on the device (int32), as grouped GEMMs want them.
+    known_counts: the same as host ints, where the split-size sync already brought them (ep > 1);
+        None at ep 1, where the grouped GEMMs need no host value (:attr:`counts` reads them on demand).
     """
 
     hidden: torch.Tensor
-    counts: list[int]
+    known_counts: list[int] | None
     offsets: torch.Tensor
     compute: str = "auto"
     weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
@@ -243,6 +244,18 @@ class LocalBatch:
             torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=hidden.device, dtype=torch.int32)
         )
         return cls(hidden, list(counts), offsets, compute, weight_grads)
+
+    @property
+    def counts(self) -> list[int]:
+        """Rows per local expert as host ints: the per-expert loop and the NPU kernels take a list
+        (a host sync when they were not known already)."""
+        if self.known_counts is None:
+            self.known_counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
+        return self.known_counts
+
+    @property
+    def num_groups(self) -> int:
+        return self.offsets.shape[0]
 
     def row_experts(self) -> torch.Tensor:
         """Local expert id of every row (only needed for per-expert biases)."""
@@ -371,7 +384,7 @@ def local_experts_forward(
     x = batch.hidden
     up = layout.weight(module, layout.up)
     if layout.zero_experts:  # the zero experts' rows after the local ones are never computed
-        up = up[: len(batch.counts)]
+        up = up[: batch.num_groups]
     choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout)
     if choice.backend is None:
         raise ExpertParallelError(choice.reason)

@@ -56,7 +56,8 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
         out = out.view(hidden.shape)
     # Never a view: under FSDP2 (which wraps this holder) an in-place op on a returned view would drop
     # the module's pre-backward hook, and with it the gradient's reduce-scatter, without an error.
-    return out.clone() if out._is_view() else out
+    # (Compiled, where a tensor's view-ness is not known while tracing: always a copy.)
+    return out.clone() if torch.compiler.is_compiling() or out._is_view() else out
 
 
 def binding_of(experts: nn.Module) -> ExpertParallelBinding:
