@@ -19,7 +19,13 @@ from torch import nn
 from .kernels import npu_permute
 from .loading.local import load_expert_parallel
 from .plan import Plan
-from .runtime import build_expert_parallel_group, expert_weights, kernel_choice, local_rows
+from .runtime import (
+    build_expert_parallel_group,
+    expert_weights,
+    experts_implementation_of,
+    kernel_choice,
+    local_rows,
+)
 from .runtime.exchange import permutations_used
 
 FP32_TOL = 1e-5
@@ -80,7 +86,8 @@ def kernel_choices(model: nn.Module, compute: str, device_type: str, dtype: torc
         if getattr(m, "hp_expert_parallel", None) is None:
             continue
         c = kernel_choice(compute, m, device_type, dtype, m.hp_layout)
-        row = rows.setdefault((c.backend, c.reason), {**c.as_dict(), "holders": []})
+        row = rows.setdefault((c.backend, c.reason), {**c.as_dict(), "experts_implementation":
+                                                      experts_implementation_of(m), "holders": []})
         row["holders"].append(name)
     return list(rows.values())
 

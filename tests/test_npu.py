@@ -210,7 +210,7 @@ def test_apply_verify_with_compute_npu(tmp_path: Path) -> None:
            "--nproc", "2", "--verify", "--report", str(report)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "expert compute (rank 0, 2 block(s)): npu" in done.stdout
+    assert "expert compute (rank 0, 2 block(s), experts_implementation grouped_mm): npu" in done.stdout
     assert "row permutations (rank 0): torch - the deduplicated exchange" in done.stdout  # dedup: the default
     data = json.loads(report.read_text())
     assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5

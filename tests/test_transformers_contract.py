@@ -145,6 +145,28 @@ def test_expert_parallel_load_keeps_transformers_defaults(checkpoints, tmp_path)
         assert r["err"] <= 0.1, r
 
 
+def test_every_head_class_at_ep2_loads_and_saves_as_transformers(checkpoints, tmp_path) -> None:
+    """At EP=2 on gloo, every Qwen3-MoE head class from a causal-LM and a base-model checkpoint: plain
+    transformers' class, loading info, tensors (this rank's expert rows) and output, only this rank's
+    experts read; what each saves (collectively) is file for file what plain transformers saves."""
+    prefix = FAMILIES["qwen3_moe"]
+    loads = [(prefix + head, source, str(checkpoints["qwen3_moe", source]))
+             for head in heads("qwen3_moe") for source in ("ForCausalLM", "Model")]
+    for r in run_world(2, "tests.training_cases:contract_heads_world", {"loads": loads, "out_dir": str(tmp_path)}):
+        assert not r["problems"] and len(r["checked"]) == len(loads), r
+    # the question-answering head keeps its body under another prefix ("transformer."), which the causal
+    # LM's checkpoint ("model.") does not fill, as in plain transformers: its experts are drawn at random
+    # (from smaller tensors at EP=2), so their values have nothing to equal
+    assert len(r["experts_loaded"]) == len(loads) - 1, r
+    for cls_name, source, directory in loads:
+        if f"{cls_name}-{source}" not in r["experts_loaded"]:
+            continue
+        torch.manual_seed(0)
+        with quiet_transformers():
+            getattr(transformers, cls_name).from_pretrained(directory).save_pretrained(tmp_path / "plain" / cls_name)
+        assert_same_files(tmp_path / "saved" / f"{cls_name}-{source}", tmp_path / "plain" / cls_name)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_save_pretrained_writes_what_transformers_writes(family, checkpoints, tmp_path) -> None:
     """One file below max_shard_size, shards + index above it (the same cut), the checkpoint format's

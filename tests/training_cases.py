@@ -253,3 +253,50 @@ def contract_world(rank: int, world: int, payload: dict) -> dict:
             "experts": holders[0].hp_expert_parallel.placement.num_experts, "err": err,
             "bytes_read": model.hp_rewrite.load_report["bytes_read"],
             "file_bytes": sum(f.stat().st_size for f in Path(payload["model_dir"]).glob("*.safetensors"))}
+
+
+def contract_heads_world(rank: int, world: int, payload: dict) -> dict:
+    """Every head class at EP=world from checkpoints saved by several classes: what plain transformers
+    gives (class, loading info, every non-expert tensor, this rank's rows of every expert tensor, the
+    output), only this rank's experts read; then save_pretrained of each, collective, into
+    ``out_dir/saved/<class>-<source>`` (the test compares the files with plain transformers' save)."""
+    import transformers
+
+    from hp_rewrite import save_pretrained
+    from hp_rewrite.hf import quiet_transformers
+
+    torch.set_num_threads(1)
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    out = {"checked": [], "problems": [], "experts_loaded": []}
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))  # 1: no pad token set
+    for cls_name, source, directory in payload["loads"]:
+        cls = getattr(transformers, cls_name)
+        with quiet_transformers():
+            torch.manual_seed(0)  # weights the checkpoint lacks: drawn in the same order on both paths
+            plain, plain_info = cls.from_pretrained(directory, output_loading_info=True)
+            torch.manual_seed(0)
+            with auto_patch(plan, artifact_dir=Path(payload["out_dir"]) / "art"):
+                ours, ours_info = cls.from_pretrained(directory, output_loading_info=True)
+        where = f"{cls_name} from {source}"
+        if type(ours) is not cls or ours_info != plain_info:
+            out["problems"].append(f"{where}: {type(ours).__name__}, {ours_info} vs {plain_info}")
+        experts = expert_weights(ours)
+        theirs = plain.state_dict()
+        for name, t in ours.state_dict().items():
+            if name in plain_info["missing_keys"]:  # drawn at random, from tensors of other sizes at EP > 1
+                continue
+            want = local_rows(*experts[name], theirs[name]) if name in experts else theirs[name]
+            if t.dtype != want.dtype or not torch.equal(t, want):
+                out["problems"].append(f"{where}: {name}")
+        with torch.no_grad():
+            a, b = plain(input_ids=ids)[0].float(), ours(input_ids=ids)[0].float()
+        experts_missing = any(name in experts for name in plain_info["missing_keys"])  # random: nothing to compare
+        if not experts_missing and (a - b).abs().max().item() > 0.1:  # bf16
+            out["problems"].append(f"{where}: output differs by {(a - b).abs().max().item()}")
+        if ours.hp_rewrite.load_report["bytes_read"] >= sum(f.stat().st_size for f in Path(directory).glob("*.safetensors")):
+            out["problems"].append(f"{where}: read every expert")
+        save_pretrained(ours, Path(payload["out_dir"]) / "saved" / f"{cls_name}-{source}")
+        out["checked"].append(where)
+        if not experts_missing:
+            out["experts_loaded"].append(f"{cls_name}-{source}")
+    return out

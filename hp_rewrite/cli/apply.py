@@ -117,15 +117,17 @@ def print_modules(modules, unmatched, excluded, artifact, cached: bool = False) 
 
 
 def print_kernels(ranks: list[dict]) -> None:
-    """Which expert-compute backend each rank ran, and why (``runtime.compute``; hp_rewrite.kernels)."""
+    """Which expert-compute backend each rank ran, and why (``runtime.compute`` and transformers'
+    ``experts_implementation``; hp_rewrite.kernels)."""
     seen = set()
     for rank, r in enumerate(ranks):
         for k in r.get("kernels", []):
             key = (k["backend"], k["reason"])
             if key not in seen:
                 seen.add(key)
-                console.print(f"expert compute (rank {rank}, {len(k['holders'])} block(s)): [bold]{k['backend']}[/]"
-                              f" - {k['reason']}", highlight=False)
+                console.print(f"expert compute (rank {rank}, {len(k['holders'])} block(s), experts_implementation "
+                              f"{k.get('experts_implementation')}): [bold]{k['backend']}[/] - {k['reason']}",
+                              highlight=False)
         p = r.get("permutations")
         if p and (p["backend"], p["reason"]) not in seen:
             seen.add((p["backend"], p["reason"]))

@@ -58,18 +58,19 @@ def describe_moe(args: DescribeArgs) -> int:
     else:
         print_report(diagnosis)
         for k in kernel_rows(model, config):
-            console.print(f"expert compute here ({k['device']}, {k['dtype']}, runtime.compute {k['requested']}): "
+            console.print(f"expert compute here ({k['device']}, {k['dtype']}, runtime.compute {k['requested']}, "
+                          f"experts_implementation {k['experts_implementation']}): "
                           f"[bold]{k['backend']}[/] - {esc(k['reason'])}", highlight=False)
     return 0
 
 
 def kernel_rows(model, config) -> list[dict]:
-    """The expert-compute backend ``runtime.compute: auto`` would choose on this host, per distinct
-    experts shape, and why (hp_rewrite.kernels)."""
+    """The expert-compute backend ``runtime.compute: auto`` would choose on this host for the model's
+    ``experts_implementation``, per distinct experts shape, and why (hp_rewrite.kernels)."""
     import torch
 
     from ..kernels import npu
-    from ..runtime import ExpertParallelError, ExpertsLayout, kernel_choice
+    from ..runtime import ExpertParallelError, ExpertsLayout, experts_implementation_of, kernel_choice
     from ..tiny import experts_holders
 
     if torch.cuda.is_available():
@@ -88,7 +89,7 @@ def kernel_rows(model, config) -> list[dict]:
             continue
         c = kernel_choice("auto", m, device, dtype, layout, weight_dtype=dtype)
         rows.setdefault((c.backend, c.reason), {"device": device, "dtype": str(dtype).replace("torch.", ""),
-                                                **c.as_dict()})
+                                                "experts_implementation": experts_implementation_of(m), **c.as_dict()})
     return list(rows.values())
 
 

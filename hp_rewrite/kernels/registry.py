@@ -2,12 +2,15 @@
 
 ``grouped``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``), forward and backward grouped.
 ``eager``: a per-expert loop of matmuls (every device and dtype; the loop is the point).
+``batched``: one batched matmul over a weight gathered per row, as transformers' ``batched_mm`` (every
+device and dtype; no host value; memory grows with rows x weight size).
 ``npu``: ``torch_npu.npu_grouped_matmul`` and ``npu_swiglu`` (:mod:`.npu`); chosen whenever torch_npu
 imports when asked for by name (also for CPU tensors: that is how it runs through a stand-in), and by
 ``auto`` on NPU devices. Its limits (groups, inner dimensions) fall back to ``grouped`` with the reason.
 
 :func:`choose` returns a :class:`KernelChoice` naming the backend and why; an explicit request that
 cannot run here comes back with ``backend=None`` and the reason, for the caller to raise.
+:func:`compute_for` folds in the experts module's transformers ``experts_implementation``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 from . import npu
 
-COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager", "npu")
+COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager", "npu", "batched")
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,35 @@ BACKENDS = MappingProxyType({
                    _npu_problem),
     "grouped": Backend("grouped", "torch grouped_mm (m-grouped forward/dX, k-grouped dW)", _grouped_problem),
     "eager": Backend("eager", "per-expert loop of matmuls", lambda p: None),
+    "batched": Backend("batched", "torch bmm over one gathered weight per row (transformers' batched_mm)",
+                       lambda p: None),
 })
+
+# transformers' ``experts_implementation`` -> the ``runtime.compute`` it asks for. ``grouped_mm`` is
+# transformers' default, so it leaves the plan's choice (``auto`` picks grouped_mm where it runs).
+_FROM_TRANSFORMERS = MappingProxyType({"eager": "eager", "batched_mm": "batched", "grouped_mm": None})
+
+
+def compute_for(compute: str, experts_implementation: str | None) -> tuple[str, str | None]:
+    """The ``runtime.compute`` that runs for the plan's ``compute`` and transformers'
+    ``experts_implementation`` (``config.experts_implementation``, ``set_experts_implementation``), and
+    why it cannot run (None when it can)."""
+    if experts_implementation is None or experts_implementation == "grouped_mm":
+        return compute, None
+    if experts_implementation not in _FROM_TRANSFORMERS:
+        return compute, (
+            f"experts_implementation={experts_implementation!r} is a transformers kernel over all the experts of "
+            "the unmodified module; an expert-parallel holder runs its local experts on the runtime's backends: "
+            "use experts_implementation 'grouped_mm', 'eager' or 'batched_mm', or runtime.compute in the plan"
+        )
+    wanted = _FROM_TRANSFORMERS[experts_implementation]
+    if compute not in ("auto", wanted):
+        return compute, (
+            f"experts_implementation={experts_implementation!r} asks for the {wanted} backend, the plan's "
+            f"runtime.compute for {compute!r}: set one of them (runtime.compute: {wanted}, or leave "
+            "experts_implementation at transformers' default)"
+        )
+    return wanted, None
 
 
 def choose(requested: str, problem: KernelProblem) -> KernelChoice:
@@ -94,8 +125,8 @@ def choose(requested: str, problem: KernelProblem) -> KernelChoice:
     if requested not in COMPUTE_KINDS:
         return KernelChoice(requested, None, f"compute={requested!r}: choose one of {', '.join(COMPUTE_KINDS)}")
     where = f"{problem.dtype} on {problem.device_type}".replace("torch.", "")
-    if requested == "eager":
-        return KernelChoice(requested, "eager", "requested")
+    if requested in ("eager", "batched"):
+        return KernelChoice(requested, requested, "requested")
     grouped_problem = _grouped_problem(problem)
     fallback = "grouped" if grouped_problem is None else "eager"
     if requested == "npu":

@@ -96,7 +96,9 @@ def layout_name(experts: nn.Module) -> str:
 
 
 def materialize(module: nn.Module, seed: int = 0, memo: dict | None = None) -> nn.Module:
-    """A CPU fp32 copy with random weights (works for modules built on the meta device).
+    """A CPU fp32 copy with random weights (works for modules built on the meta device), whose experts
+    run their own forward (``experts_implementation`` eager: a transformers kernel the user chose,
+    e.g. a GPU-only one, is not what the probe checks the rewrite against).
 
     ``memo`` is passed to ``copy.deepcopy``: it can map parameters to meta placeholders of other shapes.
     """
@@ -104,6 +106,10 @@ def materialize(module: nn.Module, seed: int = 0, memo: dict | None = None) -> n
     if any(t.is_meta for t in list(m.parameters()) + list(m.buffers())):
         m = m.to_empty(device="cpu")
     m = m.float().eval()
+    for sub in m.modules():  # the copy's own config: the module's own forward, whatever the user set
+        config = getattr(sub, "config", None)
+        if isinstance(getattr(config, "_experts_implementation", None), str):
+            config._experts_implementation = "eager"
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():  # in place: a probe of a DeepSeek-V3 block is ~10^8 values

@@ -14,6 +14,7 @@ from .exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_fo
 from .experts import (
     ExpertsLayout,
     LocalBatch,
+    experts_implementation_of,
     holder_of,
     kernel_choice,
     local_experts_forward,
@@ -79,6 +80,7 @@ __all__ = [
     "exchange_runtimes",
     "install_expert_parallel",
     "interleave",
+    "experts_implementation_of",
     "kernel_choice",
     "local_rows",
     "Interleaver",

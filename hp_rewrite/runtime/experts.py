@@ -1,9 +1,11 @@
 """Local expert compute over the experts this rank owns, for every transformers weight layout.
 
 The rows arrive grouped by local expert (``counts[e]`` rows for expert e, in order). The gate/up and
-down projections run on the backend :mod:`hp_rewrite.kernels` chooses: grouped GEMMs
-(``torch.nn.functional.grouped_mm``), torch_npu's ``npu_grouped_matmul`` (+ ``npu_swiglu``) as one
-autograd function for the whole MLP, or a per-expert loop. The activation always comes from the experts module: its
+down projections run on the backend :mod:`hp_rewrite.kernels` chooses (from ``runtime.compute`` and
+the holder's transformers ``experts_implementation``): grouped GEMMs
+(``torch.nn.functional.grouped_mm``), a batched matmul over per-row weights, torch_npu's
+``npu_grouped_matmul`` (+ ``npu_swiglu``) as one autograd function for the whole MLP, or a per-expert
+loop. The activation always comes from the experts module: its
 ``_apply_gate`` (clamped SwiGLU, gpt-oss alpha/limit, softcap, interleaved gate/up...) or its
 ``act_fn``; nothing here assumes silu.
 """
@@ -325,6 +327,8 @@ def _project(
         )
     elif kind == "grouped":
         out = _grouped_mm(x, w_in_out, batch.offsets)
+    elif kind == "batched":  # transformers' batched_mm: each row times its expert's weight, one bmm
+        out = torch.bmm(x.unsqueeze(1), w_in_out.index_select(0, row_experts)).squeeze(1)
     else:
         pieces = [xe @ we for xe, we in zip(x.split(batch.counts), w_in_out.unbind(0), strict=True)]
         out = torch.cat(pieces) if pieces else x.new_empty((0, w_in_out.shape[-1]))
@@ -337,16 +341,33 @@ def _problem(x: torch.Tensor, groups: int, dims: tuple[int, ...], weight_dtype: 
     return KernelProblem(x.device.type, x.dtype, groups, tuple(dims), weight_dtype)
 
 
+def experts_implementation_of(module: nn.Module) -> str | None:
+    """transformers' ``experts_implementation`` of an experts holder (its ``config``; what
+    ``from_pretrained(experts_implementation=...)`` and ``set_experts_implementation`` change); None
+    for a holder without one (remote code, older classes)."""
+    config = getattr(module, "config", None)
+    value = getattr(config, "_experts_implementation", None) if config is not None else None
+    return value if isinstance(value, str) else None
+
+
 def kernel_choice(requested: str, module: nn.Module, device_type: str, dtype: torch.dtype,
                   layout: ExpertsLayout | None = None, weight_dtype: torch.dtype | None = None) -> KernelChoice:
     """The backend (:mod:`hp_rewrite.kernels`) that runs this holder's experts on ``dtype`` rows on
-    ``device_type``, and why (the report and ``describe-moe`` show it). ``weight_dtype`` overrides the
-    weights' own dtype (a model built on meta in another dtype than it will run in)."""
+    ``device_type`` for ``runtime.compute: requested`` and the holder's ``experts_implementation``, and
+    why (the report and ``describe-moe`` show it). ``weight_dtype`` overrides the weights' own dtype (a
+    model built on meta in another dtype than it will run in)."""
+    implementation = experts_implementation_of(module)
+    compute, problem = kernels.compute_for(requested, implementation)
+    if problem is not None:
+        return KernelChoice(requested, None, f"{type(module).__name__}: {problem}")
     layout = layout or ExpertsLayout.of(module)
     weights = [layout.weight(module, n) for n in (layout.gate, layout.up, layout.down) if n]
     dims = tuple(sorted({d for w in weights for d in w.shape[1:]}))
     problem = KernelProblem(device_type, dtype, weights[0].shape[0], dims, weight_dtype or weights[0].dtype)
-    return kernels.choose(requested, problem)
+    choice = kernels.choose(compute, problem)
+    if compute != requested:
+        return KernelChoice(requested, choice.backend, f"experts_implementation={implementation!r}: {choice.reason}")
+    return choice
 
 
 def resolve_compute(requested: str, x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -400,7 +421,7 @@ def local_experts_forward(
         y = npu.grouped_swiglu(x, w_up.detach() if sinks[0] else w_up, w_down.detach() if sinks[1] else w_down,
                                batch.counts, activation=_gate_of(module, layout, kind), defer=sinks)
         return module.post_expert_norm(y) if layout.post_norm else y
-    rows = batch.row_experts() if has_bias else None
+    rows = batch.row_experts() if has_bias or kind == "batched" else None
 
     def bias(name: str | None) -> torch.Tensor | None:
         return getattr(module, name) if name else None

@@ -21,10 +21,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import kernels
 from .context import ExchangeRuntime
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
-from .experts import ExpertsLayout, LocalBatch, holder_of, local_experts_forward, shard_experts
+from .experts import (
+    ExpertsLayout,
+    LocalBatch,
+    experts_implementation_of,
+    holder_of,
+    local_experts_forward,
+    shard_experts,
+)
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 
@@ -96,6 +104,9 @@ def install_expert_parallel(
     layout = ExpertsLayout.of(experts)
     if getattr(experts, "hp_expert_parallel", None) is not None:
         raise RuntimeError(f"{type(experts).__name__} is already expert-parallel")
+    _, problem = kernels.compute_for(options.compute, experts_implementation_of(experts))
+    if problem is not None:  # here, before anything is sharded; a later set_experts_implementation: at forward
+        raise ExpertParallelError(f"{type(experts).__name__}: {problem}")
     if shard and ep.size > 1:
         shard_experts(experts, num_experts, placement.local_experts)
     experts.hp_layout = layout

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from ..kernels import COMPUTE_KINDS
 from .errors import ExpertParallelError
 
-ComputeKind = Literal["auto", "grouped", "eager", "npu"]
+ComputeKind = Literal["auto", "grouped", "eager", "npu", "batched"]
 DropPolicy = Literal["probs", "position"]
 
-COMPUTE_KINDS: tuple[str, ...] = ("auto", "grouped", "eager", "npu")
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 
 
@@ -20,7 +20,7 @@ class RuntimeOptions:
 
     compute: the expert-compute backend (:mod:`hp_rewrite.kernels`): ``grouped`` uses
         ``torch.nn.functional.grouped_mm`` (``npu_grouped_matmul`` on an NPU device), ``eager`` a
-        per-expert loop, ``npu`` torch_npu's ``npu_grouped_matmul`` + ``npu_swiglu`` whenever torch_npu
+        per-expert loop, ``batched`` one bmm over a weight gathered per row (transformers' ``batched_mm``), ``npu`` torch_npu's ``npu_grouped_matmul`` + ``npu_swiglu`` whenever torch_npu
         imports (falling back to ``grouped`` beyond its limits), ``auto`` npu on NPU devices, else
         grouped where the device and dtype support it, else eager.
     chunks: split the local tokens into this many chunks; chunk c's expert GEMMs overlap chunk c+1's
