@@ -98,7 +98,9 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
     t0 = time.perf_counter()
     # the same load path as auto_patch: built on meta, only this rank's experts read from disk
-    model, report = load_expert_parallel(payload["model_dir"], plan, ep, Path(payload["artifact_root"]))
+    # fp32 and eager attention, as the reference it is checked against
+    model, report = load_expert_parallel(payload["model_dir"], plan, ep, Path(payload["artifact_root"]),
+                                         dtype=torch.float32, attn_implementation="eager")
     patched = report["patched"]
     timings = {"load_s": time.perf_counter() - t0}
     ref = load_model(payload["model_dir"]) if payload["verify"] else None

@@ -78,7 +78,7 @@ def _one_thread():
 def _reference(model_dir) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # transformers' defaults, as the loader's
     _fresh(model)
     return model.eval()
 
@@ -118,6 +118,20 @@ def _checkpoint_bytes(model_dir: Path) -> int:
 # EP=1
 
 
+@pytest.mark.parametrize(("family", "attention"), [("qwen3_moe", "sdpa"), ("gpt_oss", "eager")])
+def test_bf16_checkpoint_loads_with_transformers_defaults(family, attention, tmp_path, artifact_dir):
+    """The direct loader (and load_fully_sharded, which shares its prepare step) defaults to what
+    from_pretrained gives: a bf16 checkpoint stays bf16, with transformers' attention choice."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(tiny_config(family), seed=0).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    model, _ = load_expert_parallel(tmp_path / "m", DEFAULT_PLAN, ExpertParallelGroup.single(), artifact_dir)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert (model.dtype, model.config._attn_implementation) == (torch.bfloat16, attention)
+    assert (plain.dtype, plain.config._attn_implementation) == (torch.bfloat16, attention)
+    assert {p.dtype for p in model.parameters()} == {p.dtype for p in plain.parameters()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ep1_matches_from_pretrained(family, checkpoints, artifact_dir):
     from hp_rewrite import rewrite
@@ -127,6 +141,8 @@ def test_ep1_matches_from_pretrained(family, checkpoints, artifact_dir):
     )
     ref = _reference(checkpoints[family])
     assert not model.training
+    # transformers' defaults: the checkpoint's dtype, its attention choice (sdpa where the model has it)
+    assert (model.dtype, model.config._attn_implementation) == (ref.dtype, ref.config._attn_implementation)
     ours, theirs = model.state_dict(), ref.state_dict()
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []

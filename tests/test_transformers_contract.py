@@ -199,14 +199,15 @@ def test_save_pretrained_refuses_what_it_cannot_honour_by_name(checkpoints, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_from_pretrained_options_behave_as_in_transformers(checkpoints, tmp_path) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_pretrained_options_behave_as_in_transformers(family, checkpoints, tmp_path) -> None:
     """subfolder, key_mapping, config=, use_safetensors, low_cpu_mem_usage, local_files_only, revision:
     transformers resolves them, only the reading of the weights is ours (and reads only local experts)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    source = checkpoints["qwen3_moe", "ForCausalLM"]
+    source = checkpoints[family, "ForCausalLM"]
     shutil.copytree(source, tmp_path / "repo" / "sub")
     renamed = tmp_path / "renamed"
     shutil.copytree(source, renamed)
@@ -214,7 +215,7 @@ def test_from_pretrained_options_behave_as_in_transformers(checkpoints, tmp_path
     save_file({k.replace("model.", "backbone.", 1): v for k, v in state.items()}, renamed / "model.safetensors",
               metadata={"format": "pt"})
     config = transformers.AutoConfig.from_pretrained(source, output_router_logits=True)
-    cls = transformers.Qwen3MoeForCausalLM
+    cls = getattr(transformers, FAMILIES[family] + "ForCausalLM")
     calls = [
         (tmp_path / "repo", {"subfolder": "sub"}),
         (renamed, {"key_mapping": {r"^backbone\.": "model."}}),

@@ -228,24 +228,26 @@ def _declared_model_class(config) -> type | None:
     return min(found, key=rank) if found else None
 
 
-def instantiate(cls: type, config, dtype=None):
-    """``cls`` (an Auto class or a model class) built from ``config`` with eager attention, in
-    ``dtype`` when given, on the current default device."""
-    kwargs = {"attn_implementation": "eager"}
+def instantiate(cls: type, config, dtype=None, attn_implementation: str | None = "eager"):
+    """``cls`` (an Auto class or a model class) built from ``config`` with eager attention (None:
+    transformers' choice, ``sdpa`` where the model has it), in ``dtype`` when given, on the current
+    default device."""
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if dtype is not None:
         kwargs["dtype"] = dtype
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     return build(config, **kwargs)
 
 
-def meta_model(config, dtype=None):
+def meta_model(config, dtype=None, attn_implementation: str | None = "eager"):
     """The model of ``config`` on the meta device (structure only, no weights read or allocated),
-    built with :func:`auto_class_for`'s class and eager attention, in ``dtype`` when given."""
+    built with :func:`auto_class_for`'s class and eager attention (None: transformers' choice), in
+    ``dtype`` when given."""
     import torch
 
     cls = auto_class_for(config)
     with torch.device("meta"), quiet_transformers():
-        return instantiate(cls, config, dtype)
+        return instantiate(cls, config, dtype, attn_implementation)
 
 
 def build_meta_model(config):

@@ -57,6 +57,7 @@ from .checkpoint_files import (
     index_regex,
     map_keys,
     natural_key,
+    torch_dtype,
 )
 from .rank0 import rank0_first
 
@@ -355,15 +356,17 @@ def load_expert_parallel(
     plan,
     ep: ExpertParallelGroup,
     artifact_dir: str | Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    attn_implementation: str | None = None,
 ) -> tuple[nn.Module, dict]:
     """The checkpoint in ``model_dir`` as an expert-parallel model holding only this rank's experts.
 
     ``plan`` (a :class:`hp_rewrite.plan.Plan`) selects the blocks; ``ep`` is this rank's EP group
     (``ExpertParallelGroup.single()`` for EP=1); the generated code goes under ``artifact_dir``.
     Floating tensors are loaded in ``dtype`` (``keep_in_fp32`` modules aside, as ``from_pretrained``
-    does). When ``torch.distributed`` is initialised the call is collective (rank 0 writes the
+    does); by default, as ``from_pretrained``, the checkpoint's dtype and transformers' attention choice
+    (``attn_implementation``: ``sdpa`` where the model has it). When ``torch.distributed`` is initialised the call is collective (rank 0 writes the
     artifact, the others wait for it and reuse it). ``from_pretrained`` under ``auto_patch`` reads
     through the same steps with transformers' own class, dtype and key handling
     (:mod:`hp_rewrite.loading.pretrained`).
@@ -382,7 +385,7 @@ def load_expert_parallel(
     model, and :class:`ExpertParallelError` when a conversion cannot be applied to a slice of the
     experts (EP > 1 only).
     """
-    loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes)
+    loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes, attn_implementation)
     new_for = loading.fill()
     with quiet_transformers():
         _finish(loading.model, new_for, loading.allowed_missing)
@@ -452,10 +455,25 @@ class PreparedLoad:
         }
 
 
-def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype = torch.float32,
-            chunk_bytes: int = CHUNK_BYTES) -> PreparedLoad:
+def checkpoint_dtype(config, reader: Reader) -> torch.dtype:
+    """transformers' default ``dtype="auto"``: the config's ``dtype``, else the first floating tensor's
+    in the checkpoint, else torch's default."""
+    declared = getattr(config, "dtype", None)
+    if declared is not None:
+        return getattr(torch, declared) if isinstance(declared, str) else declared
+    for info in reader.infos.values():
+        dtype = torch_dtype(info.dtype)
+        if dtype.is_floating_point:
+            return dtype
+    return torch.get_default_dtype()
+
+
+def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype | None = None,
+            chunk_bytes: int = CHUNK_BYTES, attn_implementation: str | None = None) -> PreparedLoad:
     """Build on meta, then :func:`prepare_model` with the model's conversion mapping; a checkpoint that
-    does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError`."""
+    does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError`. ``dtype`` and
+    ``attn_implementation`` default to what ``from_pretrained`` gives: the checkpoint's dtype
+    (:func:`checkpoint_dtype`) and transformers' attention choice."""
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -463,8 +481,9 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
     reader = Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
     with quiet_transformers():
         config = auto_config(model_dir)
+    dtype = dtype or checkpoint_dtype(config, reader)
     t0 = time.perf_counter()
-    model = meta_model(config, dtype)
+    model = meta_model(config, dtype, attn_implementation)
     build_s = time.perf_counter() - t0
     loading = prepare_model(model, reader, plan, ep, artifact_dir, dtype, model_conversion_mapping(model))
     loading.timings["build_s"], loading.started = build_s, t_start
