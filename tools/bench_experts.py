@@ -112,8 +112,12 @@ def build_steps(a: argparse.Namespace) -> dict[str, Step]:
 
     def hp(compute: str) -> Step:
         opts = RuntimeOptions(compute=compute)
-        return routed(lambda: moe_forward(hidden, indices, weights, experts, num_experts=E,
-                                          ep=ExpertParallelGroup.single(), options=opts))
+
+        def forward() -> torch.Tensor:
+            cfg._experts_implementation = "grouped_mm"  # transformers' default: runtime.compute decides
+            return moe_forward(hidden, indices, weights, experts, num_experts=E, ep=ExpertParallelGroup.single(),
+                               options=opts)
+        return routed(forward)
 
     def hf(impl: str) -> Step:
         def forward() -> torch.Tensor:
