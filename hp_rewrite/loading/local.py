@@ -366,10 +366,10 @@ def load_expert_parallel(
     (``ExpertParallelGroup.single()`` for EP=1); the generated code goes under ``artifact_dir``.
     Floating tensors are loaded in ``dtype`` (``keep_in_fp32`` modules aside, as ``from_pretrained``
     does); by default, as ``from_pretrained``, the checkpoint's dtype and transformers' attention choice
-    (``attn_implementation``: ``sdpa`` where the model has it). When ``torch.distributed`` is initialised the call is collective (rank 0 writes the
-    artifact, the others wait for it and reuse it). ``from_pretrained`` under ``auto_patch`` reads
-    through the same steps with transformers' own class, dtype and key handling
-    (:mod:`hp_rewrite.loading.pretrained`).
+    (``attn_implementation``: ``sdpa`` where the model has it). When ``torch.distributed`` is
+    initialised the call is collective (rank 0 writes the artifact, the others wait for it and reuse
+    it). ``from_pretrained`` under ``auto_patch`` reads through the same steps with transformers' own
+    class, dtype and key handling (:mod:`hp_rewrite.loading.pretrained`).
 
     Returns ``(model, report)``; the model is in ``eval()`` mode. ``report`` holds:
 

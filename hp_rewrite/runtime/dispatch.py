@@ -181,8 +181,8 @@ def dispatch(
     link = Link(ep.group, ep.size, options.overlap, runtime.hooks(options, ep.size))
     if ep.size == 1 and exchange is PER_SLOT:  # nothing to exchange: no counts, no host sync, no chunks
         sentinels = options.capacity_factor is not None or bool(zero_experts)
-        chunk = ON_RANK.chunk(hidden, slots, num_experts, sentinels)
         per_slot = count_per_expert(slots.reshape(-1), num_experts)
+        chunk = ON_RANK.chunk(hidden, slots, per_slot, sentinels)
         stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
         stats.rows_sent = stats.rows_received = chunk.send_splits[0]
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()

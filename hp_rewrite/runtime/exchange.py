@@ -27,7 +27,6 @@ import torch
 
 from ..kernels import npu_permute
 from . import comm, dedup
-from .capacity import count_per_expert
 
 
 @dataclass
@@ -190,15 +189,16 @@ class OnRankExchange:
     (capacity drops, zero experts') sort last into the last local expert's group and their outputs
     are zeroed before the weighted sum (their gradients are exactly zero)."""
 
-    def chunk(self, hidden: torch.Tensor, slots: torch.Tensor, num_experts: int, sentinels: bool) -> Chunk:
-        """The layer's one chunk, its rows (expert-major) ready for the experts. ``sentinels``: whether
-        any slot may hold the sentinel id ``num_experts`` (capacity, zero experts)."""
+    def chunk(self, hidden: torch.Tensor, slots: torch.Tensor, per_expert: torch.Tensor, sentinels: bool) -> Chunk:
+        """The layer's one chunk, its rows (expert-major) ready for the experts. ``per_expert [E]``: slots
+        per expert (sentinels not counted); ``sentinels``: whether any slot may hold the sentinel id
+        ``E`` (capacity, zero experts)."""
         flat = slots.reshape(-1)
         n_slots, top_k = flat.shape[0], slots.shape[1]
         order = torch.sort(flat, stable=True).indices
-        ends = count_per_expert(flat, num_experts).cumsum(0)
+        ends = per_expert.cumsum(0)
         offsets = torch.cat([ends[:-1], ends.new_full((1,), n_slots)]).to(torch.int32)  # sentinels: last group
-        kept = (flat.index_select(0, order) < num_experts).unsqueeze(1) if sentinels else None
+        kept = (flat.index_select(0, order) < per_expert.shape[0]).unsqueeze(1) if sentinels else None
         chunk = Chunk(slice(0, slots.shape[0]), [n_slots], [n_slots], None, route=_OnRankRoute(order, kept),
                       offsets=offsets)
         rows = hidden.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
