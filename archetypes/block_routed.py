@@ -36,6 +36,7 @@ class Params:
     TOPK_GROUPS: int = 1
     MASKED_FILL: float = float("-inf")
     ROUTED_SCALE: float = 1.0
+    BIAS_ON_BLOCK: bool = False  # sigmoid_group: e_score_correction_bias on the block, not on the router
 
 
 def forward(self, hidden_states):
@@ -47,10 +48,14 @@ def forward(self, hidden_states):
             logits, TOP_K, renormalize=RENORMALIZE, scaling=SCALING, weights_dtype=WEIGHTS_DTYPE
         )
     elif ROUTER_KIND == "sigmoid_group":
+        if BIAS_ON_BLOCK:
+            correction_bias = self.e_score_correction_bias
+        else:
+            correction_bias = self.ROUTER.e_score_correction_bias
         routing = hp.sigmoid_group(
             hidden,
             self.ROUTER.weight,
-            self.ROUTER.e_score_correction_bias,
+            correction_bias,
             TOP_K,
             num_groups=NUM_GROUPS,
             topk_groups=TOPK_GROUPS,

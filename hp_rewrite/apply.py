@@ -134,12 +134,13 @@ def _generate(plan, config, model_dir: Path, out_dir: Path) -> Generated:
 
 
 def run_on_ranks(plan, model_dir: Path, out_dir: Path, nproc: int, verify: bool,
-                 timeout: float | None) -> RankRun:
+                 timeout: float | None, trust_remote_code: bool = False) -> RankRun:
     """Run the rewritten model on ``nproc`` local gloo ranks (``hp_rewrite.verify``), checked with ``verify``."""
     from .launch import WorldError, run_world
 
     payload = {"plan": plan.canonical(), "artifact_root": str(out_dir),
-               "model_dir": str(model_dir), "verify": verify, "batch_per_rank": 2, "seq_len": 16}
+               "model_dir": str(model_dir), "verify": verify, "batch_per_rank": 2, "seq_len": 16,
+               "trust_remote_code": trust_remote_code}
     t0 = time.perf_counter()
     try:
         ranks = run_world(nproc, "hp_rewrite.verify:run_rank", payload,

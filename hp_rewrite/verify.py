@@ -31,11 +31,12 @@ from .runtime.exchange import permutations_used
 FP32_TOL = 1e-5
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+               trust_remote_code: bool = False) -> nn.Module:
     """The checkpoint's model with an LM head when it has one (eager attention, eval mode)."""
     from .hf import pretrained_model
 
-    return pretrained_model(model_dir, dtype=dtype).eval()
+    return pretrained_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> tuple[float, float]:
@@ -100,10 +101,12 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     # the same load path as auto_patch: built on meta, only this rank's experts read from disk
     # fp32 and eager attention, as the reference it is checked against
     model, report = load_expert_parallel(payload["model_dir"], plan, ep, Path(payload["artifact_root"]),
-                                         dtype=torch.float32, attn_implementation="eager")
+                                         dtype=torch.float32, attn_implementation="eager",
+                                         trust_remote_code=payload.get("trust_remote_code", False))
     patched = report["patched"]
     timings = {"load_s": time.perf_counter() - t0}
-    ref = load_model(payload["model_dir"]) if payload["verify"] else None
+    ref = load_model(payload["model_dir"], trust_remote_code=payload.get("trust_remote_code", False)) \
+        if payload["verify"] else None
 
     per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
     gen = torch.Generator().manual_seed(payload.get("seed", 0))

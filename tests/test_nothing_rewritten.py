@@ -26,25 +26,27 @@ EP1 = Plan.model_validate({"version": 1, "ep_size": 1})
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nothing")
-    return {"remote": write_checkpoint(root / "remote"), "dense": make_tiny("qwen3", root / "dense"),
+    return {"remote": write_checkpoint(root / "remote", router="softmax_temperature"), "dense": make_tiny("qwen3", root / "dense"),
             "switch": make_tiny("switch_transformers", root / "switch"),
             "qwen3_moe": make_tiny("qwen3_moe", root / "qwen3_moe")}
 
 
-def test_remote_code_model_with_module_list_experts_is_refused(dirs, tmp_path) -> None:
+def test_remote_code_model_whose_router_fits_no_archetype_is_refused(dirs, tmp_path) -> None:
+    """Module-list experts are matched (tests/test_remote_code.py); a router no archetype reproduces
+    (softmax of logits / 0.7) leaves the block unmatched, and that is an error naming why."""
     original = pretrained_model_class().__dict__["from_pretrained"]
     with pytest.raises(SelectionError) as e, hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
         transformers.AutoModelForCausalLM.from_pretrained(dirs["remote"], trust_remote_code=True)
     msg = str(e.value)
     assert "rewrites no MoE block of TinyMoeForCausalLM" in msg and "every rank would hold every expert" in msg
-    assert "model.layers.{0-1}.mlp.experts (ModuleList)" in msg and "separate modules" in msg
-    assert "model.layers.*.mlp.gate" in msg and f"describe-moe {dirs['remote']}" in msg
+    assert "model.layers.{0-1}.mlp (TinyMoeSparseBlock): unmatched: block softmax_topk+none: output differs" in msg
+    assert f"describe-moe {dirs['remote']} --trust-remote-code" in msg
     assert pretrained_model_class().__dict__["from_pretrained"] is original  # the patch is gone
     assert not (tmp_path / "art").exists()  # no artifact written
 
 
 def test_transformers_model_whose_experts_are_modules_is_refused(dirs, tmp_path) -> None:
-    with pytest.raises(SelectionError, match=r"SwitchTransformersExperts.*separate modules"), \
+    with pytest.raises(SelectionError, match=r"\(SwitchTransformersSparseMLP\): unmatched: block level: no router child"), \
             hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
         transformers.AutoModelForSeq2SeqLM.from_pretrained(dirs["switch"])
 
@@ -81,5 +83,5 @@ def test_apply_on_experts_as_modules_exits_2(dirs, tmp_path, capsys) -> None:
     plan.write_text("version: 1\nep_size: 1\n")
     assert main(["apply", str(plan), str(dirs["switch"]), "--out", str(tmp_path / "gen")]) == 2
     msg = capsys.readouterr().out
-    assert "rewrites no MoE block" in msg and "separate modules" in msg and "Traceback" not in msg
+    assert "rewrites no MoE block" in msg and "no router child" in msg and "Traceback" not in msg
     assert not (tmp_path / "gen").exists()

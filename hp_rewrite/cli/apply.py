@@ -19,6 +19,7 @@ class ApplyArgs:
     verify: bool
     report: Path | None
     timeout: float | None
+    trust_remote_code: bool = False
 
 
 def register(sub) -> None:
@@ -33,6 +34,9 @@ def register(sub) -> None:
                     "the unmodified model; exit 1 beyond tolerance")
     ap.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     ap.add_argument("--timeout", type=float, default=None, help="seconds before a hung run is stopped")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the checkpoint's own modeling code (its config.json auto_map), as transformers' "
+                    "trust_remote_code=True; read that code first")
     ap.set_defaults(run=lambda ns: apply(typed(ApplyArgs, ns)))
 
 
@@ -43,7 +47,7 @@ def apply(args: ApplyArgs) -> int:
 
     t0 = time.perf_counter()
     plan = load_plan(args.plan)
-    config = load_config(args.model_dir)
+    config = load_config(args.model_dir, args.trust_remote_code)
     out_dir = output_dir(plan, args.out)
     check_world(plan, args.nproc)
     gen = generate_artifact(plan, config, args.model_dir, out_dir)
@@ -53,7 +57,8 @@ def apply(args: ApplyArgs) -> int:
               "timings": timings}
     code = 0
     if args.nproc:
-        run = run_on_ranks(plan, args.model_dir, out_dir, args.nproc, args.verify, args.timeout)
+        run = run_on_ranks(plan, args.model_dir, out_dir, args.nproc, args.verify, args.timeout,
+                           args.trust_remote_code)
         timings["run_s"] = run.run_s
         result["ranks"] = run.ranks
         print_kernels(run.ranks)

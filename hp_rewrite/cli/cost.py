@@ -90,6 +90,9 @@ def register(sub) -> None:
         default=None,
         help="with --calibrate: where to write the JSON (default ./hp-rewrite-hardware.json)",
     )
+    co.add_argument("--trust-remote-code", action="store_true",
+                    help="build the checkpoint's own modeling code (its config.json auto_map), as transformers' "
+                    "trust_remote_code=True; read that code first")
     co.set_defaults(run=_run)
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 class DescribeArgs:
     model_dir: Path
     json: bool
+    trust_remote_code: bool = False
 
 
 def register(sub) -> None:
@@ -37,6 +38,9 @@ def register(sub) -> None:
         "model_dir", type=Path, help="transformers checkpoint directory (only config.json is read)"
     )
     des.add_argument("--json", action="store_true", help="print a JSON document on stdout instead of tables")
+    des.add_argument("--trust-remote-code", action="store_true",
+                    help="run the checkpoint's own modeling code (its config.json auto_map), as transformers' "
+                    "trust_remote_code=True; read that code first")
     des.set_defaults(run=lambda ns: describe_moe(typed(DescribeArgs, ns)))
 
 
@@ -47,7 +51,7 @@ def describe_moe(args: DescribeArgs) -> int:
     from ..match.diagnosis import diagnose
 
     with quiet_transformers():
-        config = load_config(args.model_dir)
+        config = load_config(args.model_dir, args.trust_remote_code)
         try:
             model, note = build_meta_model(config)
         except ModelDirError as e:

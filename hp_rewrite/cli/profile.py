@@ -18,6 +18,7 @@ class ProfileArgs:
     seq_len: int
     batch: int
     seed: int
+    trust_remote_code: bool = False
 
 
 def register(sub) -> None:
@@ -43,6 +44,9 @@ def register(sub) -> None:
     pr.add_argument("--seq-len", type=int, default=128, help="with --random: tokens per sequence")
     pr.add_argument("--batch", type=int, default=8, help="with --random: sequences")
     pr.add_argument("--seed", type=int, default=0, help="with --random: seed of the token ids")
+    pr.add_argument("--trust-remote-code", action="store_true",
+                    help="run the checkpoint's own modeling code (its config.json auto_map), as transformers' "
+                    "trust_remote_code=True; read that code first")
     pr.set_defaults(run=lambda ns: profile(typed(ProfileArgs, ns)))
 
 
@@ -51,7 +55,7 @@ def profile(args: ProfileArgs) -> int:
     from ..cost.run import profile_routing
 
     prof, ep, js, png = profile_routing(args.plan, args.model_dir, args.tokens, args.ep, args.out, args.seq_len,
-                                        args.batch, args.seed)
+                                        args.batch, args.seed, args.trust_remote_code)
     console.print(profile_table(prof, ep))
     console.print(f"wrote {js} and {png}")
     console.print(

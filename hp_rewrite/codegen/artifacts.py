@@ -2,8 +2,8 @@
 
 An artifact directory holds ``modeling_ep.py`` (one forward per matched class), ``manifest.json``
 (plan hash, config hash, hp-rewrite and transformers versions, a hash of each patched class's
-source, the archetypes, a hash of the generated file) and ``changes.diff`` (unified diff of every
-original forward against its generated replacement). The directory name carries a hash of the
+source, the archetypes, a hash of a remote-code model's code files, a hash of the generated file)
+and ``changes.diff`` (unified diff of every original forward against its generated replacement). The directory name carries a hash of the
 manifest, so changing any input selects a new directory; an existing one is used only if its
 manifest and file hash still match, and is regenerated otherwise. Everything is written into a
 temporary directory first and renamed into place, so an interrupted run leaves nothing half-written.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..hf import transformers_version
+from ..hf import remote_code_sha256, transformers_version
 
 MODULE_FILE = "modeling_ep.py"
 MANIFEST_FILE = "manifest.json"
@@ -158,7 +158,10 @@ def _diff(functions: list[GeneratedFunction]) -> str:
 
 
 def build_manifest(functions: list[GeneratedFunction], plan_hash: str, config, model_type: str) -> dict:
-    return {
+    """What the artifact is generated from; a remote-code model's code files are hashed too
+    (``remote_code_sha256``): an edit to any of them regenerates it."""
+    remote = remote_code_sha256(config)
+    return ({"remote_code_sha256": remote} if remote else {}) | {
         "hp_rewrite": __version__,
         "transformers": transformers_version(),
         "model_type": model_type,
@@ -263,6 +266,8 @@ def find_current(out_dir: Path, plan_hash: str, config) -> Artifact | None:
         if (manifest.get("hp_rewrite"), manifest.get("transformers")) != (__version__, transformers_version()):
             continue
         if manifest.get("templates_sha256") != templates_hash():
+            continue
+        if manifest.get("remote_code_sha256") != remote_code_sha256(config):
             continue
         classes_ok = all(
             (cls := _class_by_qualname(q)) is not None and class_source_hash(cls) == entry["source_sha256"]

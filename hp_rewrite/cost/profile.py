@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..match.structure import find_blocks
+from ..hf import top_k_of
+from ..match.structure import experts_layout, find_blocks
 from .routing import RankLoads, rank_loads_from_counts
 from .spec import layer_index
 
@@ -111,7 +112,25 @@ def record_routing(model: nn.Module, batches: list[torch.Tensor], plan=None) -> 
 
         return hook
 
+    def rows_for(s, e: int):  # experts held as modules: each one is called with its own rows
+        k = top_k_of(s.block, getattr(s.block, s.router_name, None) if s.router_name else None,
+                     getattr(s.block, "config", None), getattr(model, "config", None))
+
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(x, torch.Tensor):
+                counts[s.path][e] += x.numel() // s.hidden_size
+                if k is not None:
+                    top_k[s.path] = k
+
+        return hook
+
     for s in blocks:
+        if s.expert_modules:
+            for e, key in enumerate(experts_layout(s.experts).expert_keys):
+                handles.append(s.experts.get_submodule(key).register_forward_pre_hook(rows_for(s, e),
+                                                                                      with_kwargs=True))
+            continue
         handles.append(s.experts.register_forward_pre_hook(hook_for(s.path, s.num_experts), with_kwargs=True))
     tokens = 0
     try:

@@ -38,6 +38,7 @@ class CostRequest:
     dtype: str | None = None
     reserve_gb: float = 0.0
     non_expert: str | None = None  # replicate | fully_shard: cost the whole model's data parallelism
+    trust_remote_code: bool = False  # build a remote-code model (its config.json auto_map)
 
 
 @dataclass
@@ -113,7 +114,7 @@ def estimate_cost(req: CostRequest) -> CostReport:
     if not req.seq_len or not req.micro_batch or req.seq_len < 1 or req.micro_batch < 1:
         raise UserError("cost needs --seq-len S and --micro-batch B (positive integers)")
     plan = load_plan(req.plan)
-    config = load_config(req.model_dir)
+    config = load_config(req.model_dir, req.trust_remote_code)
     spec = model_spec(meta_model(config), config, plan)
     if not spec.layers:
         raise UserError(
@@ -170,7 +171,7 @@ def read_token_file(path: Path) -> list[list[int]]:
 
 
 def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: int | None, out: Path | None,
-                    seq_len: int, batch: int, seed: int):
+                    seq_len: int, batch: int, seed: int, trust_remote_code: bool = False):
     """Run the model on token ids and record tokens per expert; returns (profile, ep, json path, png path)."""
     import torch
 
@@ -179,7 +180,7 @@ def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: i
     from .profile import record_routing, write_profile
 
     plan = load_plan(plan_path)
-    config = load_config(model_dir)
+    config = load_config(model_dir, trust_remote_code)
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
         raise UserError(
             f"{model_dir}: no weights (*.safetensors / *.bin); profile runs the model, cost needs "
@@ -197,7 +198,8 @@ def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: i
     else:
         gen = torch.Generator().manual_seed(seed)
         batches = [torch.randint(0, vocab, (batch, seq_len), generator=gen)]
-    model = auto_class_for(config).from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    model = auto_class_for(config).from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
+                                                   trust_remote_code=trust_remote_code)
     model.eval()
     prof = record_routing(model, batches, plan)
     if not prof.layers:

@@ -125,12 +125,14 @@ def routed_shape(experts: nn.Module, num_experts: int) -> MLPShape:
     inter = down.shape[1] if down_t else down.shape[2]
     mats = [layout.up, layout.down] + ([layout.gate] if layout.gate else [])
     matmul = sum(_per_expert(experts, layout, n) for n in mats)
-    params = sum(_per_expert(experts, layout, n) for n in layout.weight_names)
+    params = sum(_per_expert(experts, layout, n) for n in layout.roles)
     return MLPShape(int(hidden), int(inter), int(matmul), int(params))
 
 
 def _per_expert(experts: nn.Module, layout, name: str) -> int:
     """Elements of one expert's slice of weight ``name`` (zero experts' extra rows left out)."""
+    if layout.modules:  # one expert module's own parameter
+        return layout.param(experts, f"{layout.held[0]}.{name}").numel()
     w = layout.weight(experts, name)
     return w.numel() // w.shape[0]
 

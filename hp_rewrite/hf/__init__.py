@@ -117,8 +117,11 @@ def transformers_version() -> str:
 # configs
 
 
-def load_config(model_dir: Path):
-    """The config of a checkpoint directory; :class:`ModelDirError` when it has no readable config.json."""
+def load_config(model_dir: Path, trust_remote_code: bool = False):
+    """The config of a checkpoint directory; :class:`ModelDirError` when it has no readable config.json,
+    or when it is remote code (an ``auto_map``) and ``trust_remote_code`` is not given."""
+    import json
+
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -128,9 +131,37 @@ def load_config(model_dir: Path):
             "(hp-rewrite make-tiny MODEL_TYPE DIR writes a small one)"
         )
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        with contextlib.suppress(OSError, ValueError):
+            auto_map = json.loads((model_dir / "config.json").read_text()).get("auto_map")
+            if auto_map and not trust_remote_code:
+                files = sorted({str(v).split(".")[0] for v in auto_map.values() if isinstance(v, str)})
+                raise ModelDirError(
+                    f"{model_dir} is a remote-code model (its config.json maps its classes to "
+                    f"{', '.join(f + '.py' for f in files)}): read that code, then pass --trust-remote-code "
+                    "(trust_remote_code=True in Python) to run it") from e
         raise ModelDirError(f"{model_dir}/config.json: transformers cannot read it: {e}") from e
+
+
+def is_remote_config(config) -> bool:
+    """Whether ``config`` comes from remote code (its class imported from the checkpoint's own files,
+    with ``trust_remote_code=True``): building its model needs the same trust, already given."""
+    return type(config).__module__.startswith("transformers_modules.")
+
+
+def remote_code_sha256(config) -> str | None:
+    """A hash of every Python file beside the remote code ``config``'s class came from (the copy
+    transformers imported, in its modules cache); None for a config of transformers itself."""
+    import hashlib
+
+    if not is_remote_config(config):
+        return None
+    folder = Path(inspect.getsourcefile(type(config))).parent
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*.py")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def auto_config(name_or_path, **kwargs):
@@ -235,6 +266,8 @@ def instantiate(cls: type, config, dtype=None, attn_implementation: str | None =
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if is_remote_config(config) and hasattr(cls, "from_config"):  # trusted when its config was read
+        kwargs["trust_remote_code"] = True
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     return build(config, **kwargs)
 
@@ -287,8 +320,11 @@ def build_meta_model(config):
 def pretrained_model(name_or_path, config=None, **kwargs):
     """``from_pretrained`` of :func:`auto_class_for`'s class (eager attention unless ``kwargs`` says
     otherwise); ``config`` is read from ``name_or_path`` when not given."""
-    config = config if config is not None else auto_config(name_or_path)
+    config = config if config is not None else auto_config(
+        name_or_path, **({"trust_remote_code": True} if kwargs.get("trust_remote_code") else {}))
     kwargs.setdefault("attn_implementation", "eager")
+    if is_remote_config(config):
+        kwargs["trust_remote_code"] = True
     return auto_class_for(config).from_pretrained(name_or_path, **kwargs)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "Reader",
     "TensorInfo",
     "expert_slices",
+    "foreign_experts",
     "index_regex",
     "map_keys",
     "natural_key",
@@ -213,17 +214,32 @@ class LoadUnit:
 
 
 def expert_slices(model: nn.Module) -> dict[str, ExpertSlice]:
-    """Every per-expert parameter of the installed (expert-parallel) holders, by full name."""
+    """Every per-expert parameter of the installed (expert-parallel) holders, by full name. Experts held
+    as modules have none: each of their parameters is one expert's, loaded by its own name."""
     out = {}
     for path, module in model.named_modules():
         binding = getattr(module, "hp_expert_parallel", None)
-        if binding is None:
+        if binding is None or module.hp_layout.modules:
             continue
         placement, layout = binding.placement, module.hp_layout
         for name in layout.weight_names:
             full = f"{path}.{name}" if path else name
             held = layout.rows_of(name, placement.local_experts, placement.num_experts)  # + zero experts' rows
             out[full] = ExpertSlice(held, placement.num_experts + len(held) - placement.num_local, layout.flat or 1)
+    return out
+
+
+def foreign_experts(model: nn.Module) -> set[str]:
+    """The parameter names of the experts held as modules on other EP ranks (``...experts.5.w1.weight``):
+    checkpoint tensors this rank leaves unread, neither missing nor unexpected."""
+    out = set()
+    for path, module in model.named_modules():
+        layout = getattr(module, "hp_layout", None)
+        if getattr(module, "hp_expert_parallel", None) is None or not layout.modules:
+            continue
+        prefix = f"{path}." if path else ""
+        held = set(layout.held)
+        out.update(f"{prefix}{k}.{r}" for k in layout.expert_keys if k not in held for r in layout.roles)
     return out
 
 
@@ -244,12 +260,15 @@ def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[s
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta = model.state_dict(keep_vars=True)
     prefix = model.base_model_prefix
+    foreign = foreign_experts(model)
     units: dict[str, LoadUnit] = {}
     unexpected: dict[str, str] = {}
     for key in sorted(reader.infos, key=natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if renamed not in meta and key in meta:  # as transformers: a key that should not have been renamed
             renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if renamed in foreign:
+            continue  # another EP rank's expert module: never read here
         if renamed not in meta:
             unexpected[key] = renamed  # transformers reports the renamed name
             continue

@@ -45,7 +45,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..hf import auto_config, core_model_loading, meta_model, model_conversion_mapping, quiet_transformers
+from ..hf import core_model_loading, load_config, meta_model, model_conversion_mapping, quiet_transformers
 from ..runtime import ExpertParallelError, ExpertParallelGroup
 from .checkpoint_files import (
     CHUNK_BYTES,
@@ -359,6 +359,7 @@ def load_expert_parallel(
     dtype: torch.dtype | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, dict]:
     """The checkpoint in ``model_dir`` as an expert-parallel model holding only this rank's experts.
 
@@ -369,7 +370,8 @@ def load_expert_parallel(
     (``attn_implementation``: ``sdpa`` where the model has it). When ``torch.distributed`` is
     initialised the call is collective (rank 0 writes the artifact, the others wait for it and reuse
     it). ``from_pretrained`` under ``auto_patch`` reads through the same steps with transformers' own
-    class, dtype and key handling (:mod:`hp_rewrite.loading.pretrained`).
+    class, dtype and key handling (:mod:`hp_rewrite.loading.pretrained`). ``trust_remote_code``: run
+    the checkpoint's own modeling code (its ``auto_map``), as ``from_pretrained`` does.
 
     Returns ``(model, report)``; the model is in ``eval()`` mode. ``report`` holds:
 
@@ -385,7 +387,7 @@ def load_expert_parallel(
     model, and :class:`ExpertParallelError` when a conversion cannot be applied to a slice of the
     experts (EP > 1 only).
     """
-    loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes, attn_implementation)
+    loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes, attn_implementation, trust_remote_code)
     new_for = loading.fill()
     with quiet_transformers():
         _finish(loading.model, new_for, loading.allowed_missing)
@@ -469,7 +471,8 @@ def checkpoint_dtype(config, reader: Reader) -> torch.dtype:
 
 
 def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype | None = None,
-            chunk_bytes: int = CHUNK_BYTES, attn_implementation: str | None = None) -> PreparedLoad:
+            chunk_bytes: int = CHUNK_BYTES, attn_implementation: str | None = None,
+            trust_remote_code: bool = False) -> PreparedLoad:
     """Build on meta, then :func:`prepare_model` with the model's conversion mapping; a checkpoint that
     does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError`. ``dtype`` and
     ``attn_implementation`` default to what ``from_pretrained`` gives: the checkpoint's dtype
@@ -480,7 +483,7 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
         raise CheckpointKeyError(f"{model_dir}: no config.json; pass a transformers checkpoint directory")
     reader = Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
     with quiet_transformers():
-        config = auto_config(model_dir)
+        config = load_config(model_dir, trust_remote_code)
     dtype = dtype or checkpoint_dtype(config, reader)
     t0 = time.perf_counter()
     model = meta_model(config, dtype, attn_implementation)

@@ -26,7 +26,7 @@ from torch import nn
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key
 from ..runtime import ExpertParallelError, local_rows
 from ..runtime.gradients import rank_local_modules
-from .checkpoint_files import expert_slices, natural_key
+from .checkpoint_files import expert_slices, foreign_experts, natural_key
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -81,8 +81,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-#: one tensor of a unit: (name, tensor, experts holder and weight name for an expert weight, else None)
-Entry = tuple[str, torch.Tensor, tuple[nn.Module, str] | None]
+#: one tensor of a unit: (name, tensor, experts holder and weight name for an expert weight, else None);
+#: experts held as modules: (the holder's path, None, (holder, None)), all its experts' tensors at once
+Entry = tuple[str, torch.Tensor | None, tuple[nn.Module, str | None] | None]
 
 
 def _units(model: nn.Module, sort: bool) -> list[list[Entry]]:
@@ -90,7 +91,13 @@ def _units(model: nn.Module, sort: bool) -> list[list[Entry]]:
     per tensor outside the layers, in the order transformers writes them (the state dict's; sorted by
     name, ``sort``, as its reverting to the checkpoint format sorts them). Tied tensors appear once, under
     the first name. The same order on every rank: gathering is collective."""
-    experts = {f"{path}.{w}": (m, w) for path, m in _holders(model) for w in m.hp_layout.weight_names}
+    holders = _holders(model)
+    experts = {f"{path}.{w}": (m, w) for path, m in holders if not m.hp_layout.modules
+               for w in m.hp_layout.weight_names}
+    # experts held as modules: each rank holds other names; one entry for all of them, where the first is
+    module_experts = {f"{path}.{w}": path for path, m in holders if m.hp_layout.modules
+                      for w in m.hp_layout.weight_names}
+    by_path = dict(holders)
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [n for n, m in model.named_modules() if n and type(m).__name__ in layer_classes]
     layers = [n for n in layers if not any(n.startswith(f"{o}.") for o in layers)]  # outermost only
@@ -102,9 +109,31 @@ def _units(model: nn.Module, sort: bool) -> list[list[Entry]]:
             continue
         seen.add(id(t))
         layer = next((n for n in layers if name.startswith(f"{n}.")), name)
+        if name in module_experts:
+            path = module_experts[name]
+            if not any(e[0] == path for e in units.get(layer, [])):
+                units.setdefault(layer, []).append((path, None, (by_path[path], None)))
+            continue
         units.setdefault(layer, []).append((name, t, experts.get(name)))
     order = sorted(units, key=natural_key) if sort else list(units)
     return [units[k] for k in order]
+
+
+def _gathered_modules(path: str, holder: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert's tensors of a holder of expert modules, under their names (``path.{key}.w1.weight``,
+    expert by expert, as the unmodified model's state dict orders them) on global rank 0; empty elsewhere.
+    One gather per weight role over the EP group (after FSDP2's over its mesh)."""
+    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    full = {}
+    for role in layout.roles:
+        local = torch.stack([_full(layout.param(holder, f"{k}.{role}").detach()) for k in layout.held])
+        if binding.ep.replica_rank == 0:
+            full[role] = _gather_full(local, binding)
+    if not full or any(v is None for v in full.values()) or (_is_distributed() and dist.get_rank() != 0):
+        return {}
+    prefix = f"{path}." if path else ""
+    return {f"{prefix}{k}.{role}": full[role][e].clone()  # own storage: safetensors refuses shared views
+            for e, k in enumerate(layout.expert_keys) for role in layout.roles}
 
 
 def _gathered(name: str, t: torch.Tensor, expert: tuple[nn.Module, str] | None) -> torch.Tensor | None:
@@ -194,6 +223,11 @@ def _total_parameters(model: nn.Module) -> int:
     """``num_parameters()`` of the unmodified model: every expert counted, tied weights once."""
     slices = expert_slices(model)
     total, seen = 0, set()
+    for _, h in _holders(model):  # experts held as modules: every expert as this rank's first one
+        if h.hp_layout.modules:
+            seen.update(id(h.hp_layout.param(h, w)) for w in h.hp_layout.weight_names)
+            total += len(h.hp_layout.expert_keys) * sum(
+                h.hp_layout.param(h, f"{h.hp_layout.held[0]}.{r}").numel() for r in h.hp_layout.roles)
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -227,7 +261,12 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
         writer = _ShardWriter(tmp, size_in_bytes(max_shard_size))
     try:
         for unit in units:
-            written = {name: _gathered(name, t, expert) for name, t, expert in unit}
+            written = {}
+            for name, t, expert in unit:
+                if t is None:
+                    written.update(_gathered_modules(name, expert[0]))
+                else:
+                    written[name] = _gathered(name, t, expert)
             if rank == 0:
                 writer.add(original_format(model, written) if save_original_format else written)
             del written
@@ -268,7 +307,11 @@ def load_full_checkpoints(model: nn.Module) -> None:
     """
 
     def slice_experts(module, state_dict, prefix, *_):
+        for name in foreign_experts(module):  # other ranks' expert modules: not this model's tensors
+            state_dict.pop(f"{prefix}{name}", None)
         for path, holder in _holders(module):
+            if holder.hp_layout.modules:
+                continue
             placement, layout = holder.hp_expert_parallel.placement, holder.hp_layout
             for w in layout.weight_names:
                 key = f"{prefix}{path}.{w}"

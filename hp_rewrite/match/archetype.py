@@ -79,7 +79,8 @@ class MatchResult:
 
 def layout_name(experts: nn.Module) -> str:
     layout = experts_layout(experts)
-    parts = [layout.kind if layout.gated else "up-only"]
+    parts = ["modules"] if layout.modules else []
+    parts.append(("gated" if layout.modules else layout.kind) if layout.gated else "up-only")
     if layout.kind == "fused" and getattr(experts, "is_concatenated", True) is False:
         parts.append("interleaved")
     if layout.flat:
@@ -127,21 +128,30 @@ _WIDTH_ATTRS = ("intermediate_size", "intermediate_dim", "moe_intermediate_size"
 
 
 def _narrow_shapes(experts: nn.Module, hidden: int) -> tuple[int, int, dict[str, tuple]] | None:
-    """(full width, narrow width, narrow shape of each intermediate-sized parameter), or None."""
+    """(full width, narrow width, narrow shape of each intermediate-sized parameter), or None. Experts
+    held as modules: the shapes of one expert's parameters (named by their role)."""
     layout = experts_layout(experts)
+    lead = 0 if layout.modules else 1  # one expert's [out, in], or [E, out, in]
     down_in = 1 if layout.transposed_of(layout.down) else 2  # down [E, H, I]
     up_out = 2 if layout.transposed else 1  # up [E, I or 2I, H]
-    width = layout.weight(experts, layout.down).shape[down_in]
+    down_in, up_out = down_in - 1 + lead, up_out - 1 + lead
+
+    def shape_of(name: str) -> list[int]:
+        if layout.modules:
+            return list(layout.param(experts, f"{layout.held[0]}.{name}").shape)
+        return list(layout.weight(experts, name).shape)
+
+    width = shape_of(layout.down)[down_in]
     # a width equal to H (or half of it) could change the transposition read from the shapes
     narrow = next((w for w in NARROW_WIDTHS if w < width and hidden not in (w, 2 * w)), None)
     if narrow is None:
         return None
     axes = {n: up_out for n in (layout.gate, layout.up) if n}
-    axes |= {n: 1 for n in (layout.gate_bias, layout.up_bias) if n}  # biases are [E, out]
+    axes |= {n: lead for n in (layout.gate_bias, layout.up_bias) if n}  # biases are [E, out]
     axes[layout.down] = down_in
     shapes = {}
     for name, axis in axes.items():
-        shape = list(layout.weight(experts, name).shape)
+        shape = shape_of(name)
         if shape[axis] % width:
             return None
         shape[axis] = shape[axis] // width * narrow  # keeps 2I (fused gate/up) even: 2 * narrow
@@ -164,16 +174,19 @@ def narrow_probe(s: BlockStructure, seed: int = 0) -> tuple[nn.Module, int] | No
         return None
     width, narrow, shapes = found
     layout = experts_layout(s.experts)
+    held = [f"{k}." for k in layout.held] if layout.modules else [""]
     memo = {
-        id(layout.param(s.experts, name)): nn.Parameter(torch.empty(shape, device="meta"))
-        for name, shape in shapes.items()
+        id(layout.param(s.experts, key + name)): nn.Parameter(torch.empty(shape, device="meta"))
+        for name, shape in shapes.items() for key in held
     }
     probe = materialize(s.block, seed, memo)
     experts = getattr(probe, s.experts_name)
-    for m in experts.modules() if layout.flat else [experts]:  # flat: the weights' child reads the width too
+    for m in experts.modules() if layout.flat or layout.modules else [experts]:  # the children read the width too
         for attr in _WIDTH_ATTRS:
             if type(getattr(m, attr, None)) is int and getattr(m, attr) == width:
                 setattr(m, attr, narrow)
+        if isinstance(m, nn.Linear):
+            m.out_features, m.in_features = m.weight.shape
     narrowed = experts_layout(experts)
     if narrowed is None or replace(narrowed, flat=0) != replace(layout, flat=0):
         return None
@@ -217,7 +230,7 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
     router = getattr(probe, s.router_name)
     routers = []
     module_contract = _router_is_module_contract(router, hidden)
-    top_k = getattr(router, "top_k", None) or getattr(probe, "top_k", None)
+    top_k = _lookup(("top_k", "num_experts_per_tok"), router, probe)
     if forced.get("router", "auto") in ("auto", "topk_router_module") and module_contract:
         routers.append(("topk_router_module", {}))
     if not recorded or forced.get("router") in ("softmax_topk", "sigmoid_group"):
@@ -229,7 +242,7 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
     if (not recorded or forced.get("router") == "sigmoid_group") and forced.get("router", "auto") in (
         "auto", "sigmoid_group"
     ):
-        routers.extend(("sigmoid_group", c) for c in _sigmoid_group_constants(router))
+        routers.extend(("sigmoid_group", c) for c in _sigmoid_group_constants(router, probe))
     if forced.get("router", "auto") != "auto":
         routers = [r for r in routers if r[0] == forced["router"]]
     shared_modes = []
@@ -249,25 +262,35 @@ def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor,
             yield r_kind, s_mode, {**r_consts, **s_consts}
 
 
-def _first_attr(module: nn.Module, names: tuple[str, ...]):
-    return next((getattr(module, n) for n in names if getattr(module, n, None) is not None), None)
+def _lookup(names: tuple[str, ...], router: nn.Module, block: nn.Module):
+    """The first of the attributes ``names`` set on the router, else on the block, else on the block's
+    config (routing written inline in the block reads its settings from there, as remote code does)."""
+    for owner in (router, block, getattr(block, "config", None)):
+        value = next((getattr(owner, n) for n in names if getattr(owner, n, None) is not None), None)
+        if value is not None and not isinstance(value, nn.Module):
+            return value
+    return None
 
 
-def _sigmoid_group_constants(router: nn.Module) -> list[dict]:
-    """DeepSeek-V3 style candidates, read from the router's attributes (confirmed by execution later)."""
-    bias = getattr(router, "e_score_correction_bias", None)
-    top_k = _first_attr(router, ("top_k",))
-    if not isinstance(bias, torch.Tensor) or not isinstance(top_k, int):
+def _sigmoid_group_constants(router: nn.Module, block: nn.Module) -> list[dict]:
+    """DeepSeek-V3 style candidates, read from the router's attributes, else the block's or its config's
+    (confirmed by execution later). The correction bias lives on the router or on the block."""
+    on_router = isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor)
+    on_block = not on_router and isinstance(getattr(block, "e_score_correction_bias", None), torch.Tensor)
+    top_k = _lookup(("top_k", "num_experts_per_tok"), router, block)
+    if not (on_router or on_block) or not isinstance(top_k, int):
         return []
-    scaling = _first_attr(router, ("routed_scaling_factor",))
+    scaling = _lookup(("routed_scaling_factor",), router, block)
+    norm = _lookup(("norm_topk_prob",), router, block)
     base = {
         "TOP_K": top_k,
-        "NUM_GROUPS": _first_attr(router, ("n_group", "num_group")) or 1,
-        "TOPK_GROUPS": _first_attr(router, ("topk_group",)) or 1,
-        "RENORMALIZE": bool(_first_attr(router, ("norm_topk_prob",))),
+        "NUM_GROUPS": _lookup(("n_group", "num_group"), router, block) or 1,
+        "TOPK_GROUPS": _lookup(("topk_group",), router, block) or 1,
         "SCALING": float(scaling) if scaling is not None else 1.0,
+        "BIAS_ON_BLOCK": on_block,
     }
-    return [{**base, "MASKED_FILL": fill} for fill in (float("-inf"), 0.0)]
+    renorms = (bool(norm),) if norm is not None else (True, False)
+    return [{**base, "RENORMALIZE": r, "MASKED_FILL": fill} for r in renorms for fill in (float("-inf"), 0.0)]
 
 
 def _block_routed_params(s: BlockStructure, probe: Probe):
@@ -344,7 +367,7 @@ def _original_outputs(probe: nn.Module, s: BlockStructure, x: torch.Tensor, expe
     """The unmodified probe's experts output (None for a routing-free holder), and its block output or
     the exception the block raised."""
     with torch.no_grad():
-        experts_ref = None if s.routing_free else getattr(probe, s.experts_name)(*experts_in)
+        experts_ref = None if s.routing_free or s.expert_modules else getattr(probe, s.experts_name)(*experts_in)
         try:
             return experts_ref, probe(x)
         except Exception as e:  # noqa: BLE001 - reported; the experts level may still fit
@@ -401,6 +424,13 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         # honour a plan that asks for a given router or shared merge: report instead of ignoring it
         asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
         result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
+        return result
+    if s.expert_modules:
+        result.tried.append(
+            f"experts level: the block calls each of its {type(s.experts).__name__}'s expert modules itself, so "
+            "only a block-level archetype (router, dispatch, experts and combine generated for the block) can "
+            "drive them")
+        result.reason = "; ".join(result.tried)
         return result
     if s.routing_free:
         result.tried.append(

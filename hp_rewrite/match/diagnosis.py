@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from torch import nn
 
 from ..errors import SelectionError
-from ..hf import build_meta_model, quiet_transformers, short_error, top_k_of
+from ..hf import build_meta_model, is_remote_config, quiet_transformers, short_error, top_k_of
 from ..hf.shrink import tiny_config
 from ..plan import DEFAULT_PLAN
 from .archetype import Archetype, MatchResult, layout_name
@@ -391,6 +391,8 @@ def nothing_to_rewrite(model: nn.Module, plan, config=None, analysis=None, sourc
             f"{len(analysis.excluded)} MoE blocks ({shown}): match their paths or class names"
         )
     where = f"hp-rewrite describe-moe {source}" if source else "hp-rewrite describe-moe MODEL_DIR"
+    if config is not None and is_remote_config(config):
+        where += " --trust-remote-code"
     head = f"the plan rewrites no MoE block of {type(model).__name__}, so it would not be expert-parallel"
     if not lines:
         return SelectionError(

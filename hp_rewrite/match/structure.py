@@ -33,6 +33,7 @@ class BlockStructure:
     others: list[str] = field(default_factory=list)  # children that fit no role (norms, projections...)
     routing_free: bool = False  # the holder's forward takes no routing (see routing_free())
     zero_experts: int = 0  # identity experts after the routed ones (ids num_experts..), see routed_experts()
+    expert_modules: bool = False  # a ModuleList / ModuleDict of expert modules: the block calls each one itself
 
     @property
     def experts_path(self) -> str:
@@ -55,6 +56,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
         layout = ExpertsLayout.of(module)
     except (ExpertParallelError, IndexError):
         return None
+    if layout.modules:  # per-expert MLP modules of one shape (runtime.expert_modules checked them)
+        return layout
     n = routed_experts(module, layout)
     if n is None:
         return None
@@ -70,7 +73,10 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
 def routed_experts(module: nn.Module, layout: ExpertsLayout) -> int | None:
     """How many routed (FFN) experts the holder has: its int ``num_experts``, or None. With zero experts
     (the up weight holds more experts than down, LongCat) it is down's count, which ``num_experts`` may
-    declare with or without the zero ones (or not at all); the probe confirms the extra ids are identity."""
+    declare with or without the zero ones (or not at all); the probe confirms the extra ids are identity.
+    Experts held as modules: their count."""
+    if layout.modules:
+        return len(layout.expert_keys)
     n = getattr(module, "num_experts", None)
     n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
     if not layout.zero_experts:
@@ -121,8 +127,8 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
     layout = experts_layout(experts)
     assert layout is not None
     s = BlockStructure(path, block, experts_name, experts, routed_experts(experts, layout),
-                       _hidden_size(experts, layout), routing_free=not takes_routing(experts),
-                       zero_experts=layout.zero_experts)
+                       _hidden_size(experts, layout), routing_free=not layout.modules and not takes_routing(experts),
+                       zero_experts=layout.zero_experts, expert_modules=layout.modules)
     for name, child in block.named_children():
         if name == experts_name:
             continue

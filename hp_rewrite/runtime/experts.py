@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import KernelChoice, KernelProblem, npu, torch_grouped
-from . import grouped_op
+from . import expert_modules, grouped_op
 from .deferred import DeferredGroupedMM, WeightGradQueue, grouped_grad_sink, refuse_hooked
 from .errors import ExpertParallelError
 
@@ -44,6 +44,11 @@ class ExpertsLayout:
         layouts: ``[I, H]`` blocks are read as ``x @ W.T`` by gate/up and as ``h @ W`` by down).
     zero_experts: rows of the up weight beyond down's experts: ids ``>= num_experts`` are identity experts
         (``w * x``), computed on the sending rank and never dispatched (:mod:`.zero_experts`).
+    expert_keys: experts held as modules (:mod:`.expert_modules`): the container's keys of all experts,
+        in expert-id order; the role names (gate, up, down, biases) are then paths below one expert
+        (``w1.weight``), stacked over the held experts by :meth:`weight`. Empty for 3-D layouts.
+    held_keys: the keys this rank holds (set when the holder is sharded); None: all of them.
+    module_act: the experts' activation, ``("attr", name)`` or ``("fn", name)`` (:mod:`.expert_modules`).
     """
 
     kind: str
@@ -59,11 +64,32 @@ class ExpertsLayout:
     flat: int = 0
     down_transposed: bool | None = None
     zero_experts: int = 0
+    expert_keys: tuple[str, ...] = ()
+    held_keys: tuple[str, ...] | None = None
+    module_act: tuple[str, str] | None = None
+
+    @property
+    def modules(self) -> bool:
+        """The experts are modules of a ModuleList / ModuleDict, not rows of 3-D weights."""
+        return bool(self.expert_keys)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The weights the computation reads (:meth:`weight` gives each as ``[E, ., .]``)."""
+        names = [n for n in (self.gate, self.up, self.down) if n]
+        return tuple(names + [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b])
 
     @property
     def weight_names(self) -> tuple[str, ...]:
-        names = [n for n in (self.gate, self.up, self.down) if n]
-        return tuple(names + [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b])
+        """The expert parameters' names below the holder: :attr:`roles`, or for experts held as modules
+        every held expert's (``3.w1.weight``)."""
+        if self.modules:
+            return tuple(f"{k}.{r}" for k in self.held for r in self.roles)
+        return self.roles
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        return self.expert_keys if self.held_keys is None else self.held_keys
 
     @property
     def padded_names(self) -> tuple[str, ...]:
@@ -92,11 +118,11 @@ class ExpertsLayout:
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
         if owner_path and hasattr(owner, "base_layer"):
-            # PEFT (target_parameters) wrapped the child: its adapter applies only inside the child's own
-            # forward, which the expert-parallel holder never calls; reading through would drop it
+            # PEFT wrapped the child: its adapter applies only inside the child's own forward, which the
+            # expert-parallel holder never calls; reading through would drop it
             raise ExpertParallelError(
                 f"{type(module).__name__}.{owner_path} is wrapped by {type(owner).__name__} (an adapter on the "
-                f"flat expert weight {name}): the expert-parallel experts read {name} directly and would skip "
+                f"expert weight {name}): the expert-parallel experts read {name} directly and would skip "
                 "the adapter. Put adapters on other modules (e.g. attention via target_modules), or run this "
                 "model data-parallel"
             )
@@ -116,11 +142,17 @@ class ExpertsLayout:
         return t.flatten(0, 1) if self.flat else t
 
     def weight(self, module: nn.Module, name: str) -> torch.Tensor:
-        """Weight ``name`` of ``module`` as ``[E, ., .]`` for the grouped GEMMs."""
+        """Weight ``name`` of ``module`` as ``[E, ., .]`` for the grouped GEMMs (experts held as modules:
+        the held experts' weights stacked, a differentiable copy)."""
+        if self.modules:
+            return torch.stack([self.param(module, f"{k}.{name}") for k in self.held])
         return self.per_expert(self.param(module, name))
 
     def activation(self, module: nn.Module):
-        """The act_fn of the holder, or of the child holding flat weights (DBRX's ``activation_fn``)."""
+        """The act_fn of the holder, or of the child holding flat weights (DBRX's ``activation_fn``), or
+        of the experts held as modules."""
+        if self.modules:
+            return expert_modules.activation_of(module.get_submodule(self.held[0]), self.module_act)
         owner = self.param(module, self.up.rpartition(".")[0]) if self.flat and "." in self.up else module
         return next(getattr(m, a) for m in (module, owner) for a in ("act_fn", "activation_fn") if hasattr(m, a))
 
@@ -147,8 +179,27 @@ class ExpertsLayout:
         return None
 
     @classmethod
+    def modules_of(cls, module: nn.Module) -> ExpertsLayout | None:
+        """The layout of a ModuleList / ModuleDict of per-expert MLPs (:func:`.expert_modules.roles_of`)."""
+        r = expert_modules.roles_of(module)
+        if r is None:
+            return None
+        w = lambda n: f"{n}.weight"  # noqa: E731
+        b = lambda n, has: f"{n}.bias" if has else None  # noqa: E731
+        return cls("separate" if r.gate else "fused", w(r.up), w(r.down), w(r.gate) if r.gate else None,
+                   r.gate is not None, False, b(r.up, r.up_bias), b(r.down, r.down_bias),
+                   b(r.gate, r.gate_bias) if r.gate else None, expert_keys=r.keys, module_act=r.activation)
+
+    @classmethod
     def of(cls, module: nn.Module) -> ExpertsLayout:
         """Read the layout from the module's parameters and its ``use_experts_implementation`` flags."""
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            layout = cls.modules_of(module)
+            if layout is None:
+                raise ExpertParallelError(
+                    f"{type(module).__name__}: not a list of experts of one class, each a gated or plain MLP "
+                    "of nn.Linear projections")
+            return layout
         params = dict(module.named_parameters(recurse=False))
         if not params:
             flat = cls.flat_of(module)
@@ -351,17 +402,19 @@ def experts_implementation_of(module: nn.Module) -> str | None:
 
 
 def kernel_choice(requested: str, module: nn.Module, device_type: str, dtype: torch.dtype,
-                  layout: ExpertsLayout | None = None, weight_dtype: torch.dtype | None = None) -> KernelChoice:
+                  layout: ExpertsLayout | None = None, weight_dtype: torch.dtype | None = None,
+                  weights: dict[str, torch.Tensor] | None = None) -> KernelChoice:
     """The backend (:mod:`hp_rewrite.kernels`) that runs this holder's experts on ``dtype`` rows on
     ``device_type`` for ``runtime.compute: requested`` and the holder's ``experts_implementation``, and
     why (the report and ``describe-moe`` show it). ``weight_dtype`` overrides the weights' own dtype (a
-    model built on meta in another dtype than it will run in)."""
+    model built on meta in another dtype than it will run in); ``weights``: the layout's weights as
+    :meth:`ExpertsLayout.weight` gives them, when the caller has them already."""
     implementation = experts_implementation_of(module)
     compute, problem = kernels.compute_for(requested, implementation)
     if problem is not None:
         return KernelChoice(requested, None, f"{type(module).__name__}: {problem}")
     layout = layout or ExpertsLayout.of(module)
-    weights = [layout.weight(module, n) for n in (layout.gate, layout.up, layout.down) if n]
+    weights = [weights[n] if weights else layout.weight(module, n) for n in (layout.gate, layout.up, layout.down) if n]
     dims = tuple(sorted({d for w in weights for d in w.shape[1:]}))
     problem = KernelProblem(device_type, dtype, weights[0].shape[0], dims, weight_dtype or weights[0].dtype)
     choice = kernels.choose(compute, problem)
@@ -403,17 +456,18 @@ def local_experts_forward(
     """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert."""
     layout = layout or ExpertsLayout.of(module)
     x = batch.hidden
-    up = layout.weight(module, layout.up)
+    weights = {n: layout.weight(module, n) for n in layout.roles}  # experts held as modules: stacked once
+    up = weights[layout.up]
     if layout.zero_experts:  # the zero experts' rows after the local ones are never computed
         up = up[: batch.num_groups]
-    choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout)
+    choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout, weights=weights)
     if choice.backend is None:
         raise ExpertParallelError(choice.reason)
     kind = choice.backend
     has_bias = layout.up_bias or layout.down_bias or layout.gate_bias
     owner = type(module).__name__  # names a weight in errors
     if kind == "npu" and layout.kind == "fused" and not has_bias:  # the whole MLP as one autograd function
-        down = getattr(module, layout.down)
+        down = weights[layout.down]
         w_up = up if layout.transposed else up.transpose(1, 2)
         w_down = down if layout.transposed else down.transpose(1, 2)
         sinks = (_npu_sink(batch, up, layout.transposed, f"{owner}.{layout.up}"),
@@ -424,12 +478,12 @@ def local_experts_forward(
     rows = batch.row_experts() if has_bias or kind == "batched" else None
 
     def bias(name: str | None) -> torch.Tensor | None:
-        return getattr(module, name) if name else None
+        return weights[name] if name else None
 
     gate = _gate_of(module, layout, kind)
     if layout.kind == "separate":
         g = _project(
-            batch, x, layout.weight(module, layout.gate), bias(layout.gate_bias), layout.transposed, kind, rows,
+            batch, x, weights[layout.gate], bias(layout.gate_bias), layout.transposed, kind, rows,
             f"{owner}.{layout.gate}",
         )
         u = _project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows, f"{owner}.{layout.up}")
@@ -441,7 +495,7 @@ def local_experts_forward(
         h = gate(_project(batch, x, up, bias(layout.up_bias), layout.transposed, kind, rows,
                           f"{owner}.{layout.up}"))
     y = _project(
-        batch, h, layout.weight(module, layout.down), bias(layout.down_bias), layout.transposed_of(layout.down),
+        batch, h, weights[layout.down], bias(layout.down_bias), layout.transposed_of(layout.down),
         kind, rows, f"{owner}.{layout.down}",
     )
     if layout.post_norm:
@@ -461,6 +515,9 @@ def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
     """
     keep = list(keep)
     layout = ExpertsLayout.of(module)
+    if layout.modules:
+        expert_modules.keep_experts(module, [layout.expert_keys[e] for e in keep])
+        return
     for name in layout.weight_names:
         p = layout.param(module, name)
         w = layout.per_expert(p.detach())  # flat [E*R, C]: the rows [e*R, (e+1)*R) of each kept expert e

@@ -16,12 +16,13 @@ The original bound forward stays reachable as ``module.hp_original_forward``; af
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from .. import kernels
+from . import expert_modules
 from .context import ExchangeRuntime
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
@@ -107,8 +108,14 @@ def install_expert_parallel(
     _, problem = kernels.compute_for(options.compute, experts_implementation_of(experts))
     if problem is not None:  # here, before anything is sharded; a later set_experts_implementation: at forward
         raise ExpertParallelError(f"{type(experts).__name__}: {problem}")
+    if layout.modules and len(layout.expert_keys) != num_experts:
+        raise ExpertParallelError(f"{type(experts).__name__} holds {len(layout.expert_keys)} expert modules, "
+                                  f"expected num_experts={num_experts}")
     if shard and ep.size > 1:
         shard_experts(experts, num_experts, placement.local_experts)
+    if layout.modules:  # the expert modules kept, under their original keys, in local order
+        layout = replace(layout, held_keys=tuple(layout.expert_keys[e] for e in placement.local_experts))
+        expert_modules.with_forward_class(experts)
     experts.hp_layout = layout
     experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime(),
                                                        layout.zero_experts)
@@ -136,7 +143,10 @@ def expert_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 def local_rows(holder: nn.Module, weight: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, an unsharded tensor of the holder's ``weight`` (the reference
-    model's weight or gradient): its experts' rows, plus the zero experts' rows every rank keeps."""
+    model's weight or gradient): its experts' rows, plus the zero experts' rows every rank keeps.
+    Experts held as modules keep the unmodified model's names: ``full`` is the local tensor already."""
     layout, placement = holder.hp_layout, holder.hp_expert_parallel.placement
+    if layout.modules:
+        return full
     rows = list(layout.rows_of(weight, placement.local_experts, placement.num_experts))
     return layout.stored(layout.per_expert(full)[rows])

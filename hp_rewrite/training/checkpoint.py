@@ -40,7 +40,7 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
     names = {}
     for path, holder in model.named_modules():
         binding = getattr(holder, "hp_expert_parallel", None)
-        if binding is None:
+        if binding is None or holder.hp_layout.modules:  # expert modules: each tensor one expert, named globally
             continue
         if not binding.placement.is_contiguous:
             raise ExpertParallelError(

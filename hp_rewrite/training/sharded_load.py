@@ -87,17 +87,17 @@ def _read_shards_of_experts(filler, experts: dict, targets: dict) -> set[str]:
 def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | None = None,
                        dtype: torch.dtype | None = None, artifact_dir: Path | None = None,
                        chunk_bytes: int = local.CHUNK_BYTES, attn_implementation: str | None = None,
-                       **fsdp) -> nn.Module:
+                       trust_remote_code: bool = False, **fsdp) -> nn.Module:
     """The checkpoint in ``model_dir`` as a rewritten model sharded by :func:`fully_shard` (its keyword
     arguments in ``fsdp``), each rank having read only its shards. Collective; returns ``eval()``.
     ``dtype`` and ``attn_implementation`` default to ``from_pretrained``'s: the checkpoint's dtype and
-    transformers' attention choice."""
+    transformers' attention choice; ``trust_remote_code`` as ``from_pretrained``'s."""
     plan = resolve_plan(plan)
     ep = expert_parallel_group_for(plan, mesh)
     if ep.mesh is None:
         raise ExpertParallelError("load_fully_sharded needs torch.distributed initialised (launch with torchrun)")
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
-    loading = local.prepare(model_dir, plan, ep, out, dtype, chunk_bytes, attn_implementation)
+    loading = local.prepare(model_dir, plan, ep, out, dtype, chunk_bytes, attn_implementation, trust_remote_code)
     model = loading.model
     if getattr(model, "all_tied_weights_keys", None):
         raise ExpertParallelError(

@@ -5,8 +5,8 @@ from transformers import PretrainedConfig
 
 class TinyMoeConfig(PretrainedConfig):
     """``router``: ``softmax`` (top-k, renormalised), ``softmax_gated_shared`` (top-k with a sigmoid-gated
-    shared expert) or ``sigmoid_group`` (grouped sigmoid scores with a correction bias and an additive
-    shared expert)."""
+    shared expert), ``sigmoid_group`` (grouped sigmoid scores with a correction bias and an additive
+    shared expert) or ``softmax_temperature`` (softmax of logits / 0.7: no built-in router kind)."""
 
     model_type = "tiny_remote_moe"
 

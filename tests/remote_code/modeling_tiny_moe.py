@@ -51,12 +51,14 @@ class TinyMoeSparseBlock(nn.Module):
 
     def route(self, hidden):
         logits = self.gate(hidden)
+        if self.config.router == "softmax_temperature":  # no built-in router kind: the block stays unmatched
+            logits = logits / 0.7
         if self.config.router != "sigmoid_group":
             probs = F.softmax(logits, dim=-1, dtype=torch.float)
             weights, selected = torch.topk(probs, self.top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights.to(hidden.dtype), selected
-        scores = logits.sigmoid()
+        scores = F.linear(hidden.float(), self.gate.weight.float()).sigmoid()  # DeepSeek's fp32 router
         biased = scores + self.e_score_correction_bias
         groups = biased.view(-1, self.config.n_group, self.num_experts // self.config.n_group)
         group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
