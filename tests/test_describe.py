@@ -170,18 +170,20 @@ def test_llama4_input_scaled_experts_get_a_block_level_archetype(capsys, config_
 
 
 def test_switch_transformers_expert_modules(capsys, config_dirs) -> None:
-    """Its experts (a ModuleDict of wi/wo MLPs) are found by structure; its top-1 capacity router (no
-    child with weight [experts, hidden]) is what no archetype drives yet, and the report says so."""
+    """Its experts (a ModuleDict of wi/wo MLPs) are found by structure and driven at the experts level by
+    the model's own top-1 capacity router; the report names the router inside its router module and the
+    experts' roles."""
     doc = run_json(capsys, config_dirs("switch_transformers"))
     assert doc["non_contract"] == []
     (g,) = doc["groups"]
-    assert g["class"] == "SwitchTransformersSparseMLP" and g["archetype"] is None
+    assert g["class"] == "SwitchTransformersSparseMLP" and g["archetype"]["level"] == "experts"
     assert "encoder.block.0.layer.1.mlp" in g["paths"] and any(p.startswith("decoder.") for p in g["paths"])
-    assert g["structure"]["layout"] == "modules-up-only" and g["structure"]["num_experts"] == 8, g["structure"]
-    assert "no router child with weight [num_experts, hidden]" in g["reason"], g["reason"]
-    assert "calls each of its SwitchTransformersExperts's expert modules itself" in g["reason"]
+    st = g["structure"]
+    assert st["layout"] == "modules-up-only" and st["num_experts"] == 8 and st["router_inside"] == "router.classifier"
+    assert st["expert_modules"] == "8 x SwitchTransformersDenseActDense: up wi, down wo, activation act (ReLU)"
     assert main(["describe-moe", str(config_dirs("switch_transformers"))]) == 0
-    assert "layout modules-up-only, 8 experts" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layout modules-up-only, 8 experts" in out and "router: router.classifier (inside a child" in out
 
 
 def test_dense_model_says_no_moe(capsys, config_dirs) -> None:

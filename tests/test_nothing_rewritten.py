@@ -27,7 +27,7 @@ EP1 = Plan.model_validate({"version": 1, "ep_size": 1})
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nothing")
     return {"remote": write_checkpoint(root / "remote", router="softmax_temperature"), "dense": make_tiny("qwen3", root / "dense"),
-            "switch": make_tiny("switch_transformers", root / "switch"),
+            "jetmoe": make_tiny("jetmoe", root / "jetmoe"),
             "qwen3_moe": make_tiny("qwen3_moe", root / "qwen3_moe")}
 
 
@@ -45,10 +45,10 @@ def test_remote_code_model_whose_router_fits_no_archetype_is_refused(dirs, tmp_p
     assert not (tmp_path / "art").exists()  # no artifact written
 
 
-def test_transformers_model_whose_experts_are_modules_is_refused(dirs, tmp_path) -> None:
-    with pytest.raises(SelectionError, match=r"\(SwitchTransformersSparseMLP\): unmatched: block level: no router child"), \
+def test_transformers_model_whose_experts_fit_no_holder_is_refused(dirs, tmp_path) -> None:
+    with pytest.raises(SelectionError, match=r"\(JetMoeMoE\): its per-expert weights .* are split over sub-modules"), \
             hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
-        transformers.AutoModelForSeq2SeqLM.from_pretrained(dirs["switch"])
+        transformers.AutoModelForCausalLM.from_pretrained(dirs["jetmoe"])
 
 
 def test_dense_model_through_from_pretrained_is_refused(dirs, tmp_path) -> None:
@@ -78,10 +78,10 @@ def test_an_artifact_of_another_model_installs_nothing_and_is_refused(dirs, tmp_
         install(remote, artifact, EP1, ExpertParallelGroup.single())
 
 
-def test_apply_on_experts_as_modules_exits_2(dirs, tmp_path, capsys) -> None:
+def test_apply_on_split_expert_weights_exits_2(dirs, tmp_path, capsys) -> None:
     plan = tmp_path / "p.yaml"
     plan.write_text("version: 1\nep_size: 1\n")
-    assert main(["apply", str(plan), str(dirs["switch"]), "--out", str(tmp_path / "gen")]) == 2
+    assert main(["apply", str(plan), str(dirs["jetmoe"]), "--out", str(tmp_path / "gen")]) == 2
     msg = capsys.readouterr().out
-    assert "rewrites no MoE block" in msg and "no router child" in msg and "Traceback" not in msg
+    assert "rewrites no MoE block" in msg and "split over sub-modules" in msg and "Traceback" not in msg
     assert not (tmp_path / "gen").exists()

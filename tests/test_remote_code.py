@@ -101,6 +101,7 @@ def test_cli_needs_and_takes_trust_remote_code(checkpoints, tmp_path, capsys) ->
     assert main(["describe-moe", model, "--trust-remote-code"]) == 0
     out = capsys.readouterr().out
     assert "layout modules-gated, 4 experts" in out and "router: gate (Linear)" in out
+    assert "expert modules: 4 x TinyMoeMLP: gate w1, up w3, down w2, activation silu" in out
     gen = tmp_path / "gen"
     assert main(["apply", str(plan), model, "--out", str(gen), "--trust-remote-code", "--nproc", "1",
                  "--verify"]) == 0

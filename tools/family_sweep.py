@@ -50,7 +50,8 @@ HEADER = ("# MoE families through the rewriter (EP=1, tiny models, fp32)\n",
 
 
 def sample_inputs(model) -> dict:
-    """Inputs for a tiny model, by its forward's signature: token ids; embeddings for a decoder with no
+    """Inputs for a tiny model, by its forward's signature: token ids (an encoder-decoder's decoder ids
+    too); embeddings for a decoder with no
     embedding table of its own (a talker fed by another model); a 4x4 patch grid for a vision encoder
     taking ``(pixel_values, grid_thw)``."""
     params = inspect.signature(type(model).forward).parameters
@@ -59,6 +60,8 @@ def sample_inputs(model) -> dict:
         width = cfg.num_channels * (getattr(cfg, "temporal_patch_size", 1) or 1) * cfg.patch_size**2
         return {"pixel_values": torch.randn(16, width, generator=gen), "grid_thw": torch.tensor([[1, 4, 4]])}
     ids = {"input_ids": torch.randint(0, cfg.get_text_config().vocab_size, (2, 8), generator=gen)}
+    if "decoder_input_ids" in params:  # an encoder-decoder (Switch Transformers, NLLB-MoE): the decoder too
+        ids["decoder_input_ids"] = torch.randint(0, cfg.get_text_config().vocab_size, (2, 6), generator=gen)
     if "inputs_embeds" in params:
         try:
             with torch.no_grad():

@@ -146,7 +146,12 @@ def _print_group(g: BlockGroup) -> None:
     tree.add(esc("children: " + _children(g.children)))
     tree.add(esc("params: " + _shapes(g.params)))
     node = tree.add("structure")
-    router = f"{st.router} ({st.router_class})" if st.router else "- (no child with weight [experts, hidden])"
+    if st.router:
+        router = f"{st.router} ({st.router_class})"
+    elif st.router_inside:
+        router = f"{st.router_inside} (inside a child: the block's own code routes)"
+    else:
+        router = "- (no child with weight [experts, hidden])"
     node.add(esc(f"router: {router}"))
     top_k = st.top_k if st.top_k is not None else "?"
     node.add(
@@ -155,6 +160,8 @@ def _print_group(g: BlockGroup) -> None:
             f"{st.num_experts} experts, hidden {st.hidden_size}, top-k {top_k}"
         )
     )
+    if st.expert_modules:
+        node.add(esc(f"expert modules: {st.expert_modules}"))
     node.add(esc(f"shared expert: {st.shared or '-'}"))
     node.add(esc(f"shared gate: {st.shared_gate or '-'}"))
     node.add(esc(f"other children: {', '.join(st.others) or '-'}"))

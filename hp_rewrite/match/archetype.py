@@ -338,8 +338,8 @@ def block_source(cls_name: str, arch: Archetype) -> str:
     return arch.source(f"{cls_name}_forward")
 
 
-def experts_source(cls_name: str) -> str:
-    return specialize(experts_routed, experts_routed.Params(), f"{cls_name}_forward")
+def experts_source(cls_name: str, params: experts_routed.Params | None = None) -> str:
+    return specialize(experts_routed, params or experts_routed.Params(), f"{cls_name}_forward")
 
 
 def _probe_inputs(s: BlockStructure) -> torch.Tensor:
@@ -363,15 +363,32 @@ def _experts_probe(s: BlockStructure):
     return h, r.indices, r.weights
 
 
+def _experts_reference(probe: nn.Module, s: BlockStructure, experts_in: tuple) -> tuple[tuple, torch.Tensor | None]:
+    """The routing the holder takes and its unmodified output (None for a holder the block drives
+    itself): ``(hidden, top_k_index, top_k_weights)``, else for experts held as modules the same as
+    one-hot dispatch masks ``[T, K, E]`` (Switch Transformers')."""
+    if s.routing_free or s.calls_each_expert:
+        return experts_in, None
+    experts = getattr(probe, s.experts_name)
+    try:
+        return experts_in, experts(*experts_in)
+    except Exception:
+        if not s.expert_modules:
+            raise
+        h, indices, weights = experts_in
+        masks = (h, torch.nn.functional.one_hot(indices, s.num_experts), weights)
+        return masks, experts(*masks)
+
+
 def _original_outputs(probe: nn.Module, s: BlockStructure, x: torch.Tensor, experts_in: tuple):
-    """The unmodified probe's experts output (None for a routing-free holder), and its block output or
-    the exception the block raised."""
+    """The holder's routing inputs and unmodified output (:func:`_experts_reference`), and the block's
+    output or the exception the block raised."""
     with torch.no_grad():
-        experts_ref = None if s.routing_free or s.expert_modules else getattr(probe, s.experts_name)(*experts_in)
+        experts_in, experts_ref = _experts_reference(probe, s, experts_in)
         try:
-            return experts_ref, probe(x)
+            return experts_in, experts_ref, probe(x)
         except Exception as e:  # noqa: BLE001 - reported; the experts level may still fit
-            return experts_ref, e
+            return experts_in, experts_ref, e
 
 
 def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_router: bool = True,
@@ -391,14 +408,14 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     if narrow is not None:
         probe, result.probe_width = narrow
         try:
-            experts_ref, ref = _original_outputs(probe, s, x, experts_in)
+            experts_in, experts_ref, ref = _original_outputs(probe, s, x, experts_in)
         except Exception as e:  # noqa: BLE001 - the experts call failed at the narrow width
             ref = e
         if isinstance(ref, Exception):
             probe, narrow_error, result.probe_width = None, ref, None
     if probe is None:
         probe = materialize(s.block)
-        experts_ref, ref = _original_outputs(probe, s, x, experts_in)
+        experts_in, experts_ref, ref = _original_outputs(probe, s, x, _experts_probe(s))
         if narrow_error is not None and not (isinstance(ref, Exception) and repr(ref) == repr(narrow_error)):
             result.tried.append(
                 f"probe at expert width {narrow[1]} raised {type(narrow_error).__name__}: "
@@ -425,7 +442,7 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
         result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
         return result
-    if s.expert_modules:
+    if s.calls_each_expert:
         result.tried.append(
             f"experts level: the block calls each of its {type(s.experts).__name__}'s expert modules itself, so "
             "only a block-level archetype (router, dispatch, experts and combine generated for the block) can "
@@ -438,7 +455,35 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
             "top_k_weights): the block applies the routing itself, so only a block-level archetype can drive it")
         result.reason = "; ".join(result.tried)
         return result
-    holder.forward = types.MethodType(compile_function(experts_source("probe"), "probe_forward"), holder)
+    whys = []
+    for params in _experts_candidates(s):
+        ok, why = _confirm_experts(holder, params, probe, x, ref, experts_in, experts_ref, block_callable)
+        if ok:
+            result.archetype = Archetype("experts", "model", "model", layout, EXPERTS_ROUTED, params)
+            return result
+        whys.append(why)
+    why = whys[0]
+    if s.zero_experts:  # say what was assumed of the extra rows
+        why += (f" (ids {s.num_experts}..{s.num_experts + s.zero_experts - 1} taken as zero (identity) experts, "
+                f"w * x: {type(s.experts).__name__}'s {experts_layout(s.experts).up} holds {s.zero_experts} "
+                "experts more than its down projection)")
+    result.tried.append(why)
+    result.reason = "; ".join(result.tried)
+    return result
+
+
+def _experts_candidates(s: BlockStructure) -> list[experts_routed.Params]:
+    """The experts-level forward as is, then (experts held as modules) with the eval-mode scale ``1 - p``
+    of each dropout the container applies to the expert outputs itself (NLLB-MoE's token dropout)."""
+    own = [m for name, m in s.experts.named_children() if not any(True for _ in m.parameters())]
+    scales = [1 - m.p for m in own if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    return [experts_routed.Params()] + [experts_routed.Params(EVAL_SCALE=float(p)) for p in scales]
+
+
+def _confirm_experts(holder: nn.Module, params, probe: nn.Module, x: torch.Tensor, ref, experts_in: tuple,
+                     experts_ref, block_callable: bool) -> tuple[bool, str]:
+    """Whether the experts-level forward with ``params`` reproduces the holder's and the block's outputs."""
+    holder.forward = types.MethodType(compile_function(experts_source("probe", params), "probe_forward"), holder)
     try:
         with torch.no_grad():
             out = holder(*experts_in)
@@ -452,16 +497,7 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
                 ok, why = err <= PROBE_TOL, f"block output with expert-parallel experts differs (rel err {err:.2e})"
     except Exception as e:  # noqa: BLE001 - e.g. the block calls its experts under another contract
         ok, why = False, f"experts level: raised {type(e).__name__}: {e}"
-    if ok:
-        result.archetype = Archetype("experts", "model", "model", layout, EXPERTS_ROUTED, experts_routed.Params())
-        return result
-    if s.zero_experts:  # say what was assumed of the extra rows
-        why += (f" (ids {s.num_experts}..{s.num_experts + s.zero_experts - 1} taken as zero (identity) experts, "
-                f"w * x: {type(s.experts).__name__}'s {experts_layout(s.experts).up} holds {s.zero_experts} "
-                "experts more than its down projection)")
-    result.tried.append(why)
-    result.reason = "; ".join(result.tried)
-    return result
+    return ok, why
 
 
 def _confirm_block(spec: ArchetypeSpec, s: BlockStructure, ctx: Probe, x: torch.Tensor, ref, block_callable: bool,

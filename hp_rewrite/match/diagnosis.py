@@ -51,7 +51,7 @@ from .snippets import (
     plan_snippet,
     same_level_match,
 )
-from .structure import find_blocks, find_experts_holders
+from .structure import describe_expert_modules, find_blocks, find_experts_holders, nested_router
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class BlockFacts:
     shared: str | None
     shared_gate: str | None
     others: tuple[str, ...]  # children that fit no role
+    router_inside: str | None = None  # no router child: the router Linear inside another child (router.classifier)
+    expert_modules: str | None = None  # experts held as modules: class, count, roles, activation
 
     def as_dict(self) -> dict:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
@@ -260,6 +262,8 @@ def _block_group(r: MatchResult) -> tuple[tuple, BlockGroup]:
         shared=s.shared_name,
         shared_gate=s.shared_gate_name,
         others=tuple(s.others),
+        router_inside=nested_router(s),
+        expert_modules=describe_expert_modules(s),
     )
     tried = list(r.tried)
     if r.archetype is not None and r.archetype.level == "experts" and not tried:

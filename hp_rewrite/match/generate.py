@@ -20,8 +20,9 @@ def generated_functions(analysis: Analysis) -> list[GeneratedFunction]:
         experts_cls = type(r.structure.experts)
         if experts_cls not in funcs:
             arch = {"level": "experts", "router": "model", "shared": "model", "layout": r.archetype.layout}
+            params = r.archetype.params if r.archetype.level == "experts" else None  # its EVAL_SCALE
             funcs[experts_cls] = GeneratedFunction(experts_cls, f"{experts_cls.__name__}_forward",
-                                                   experts_source(experts_cls.__name__), arch)
+                                                   experts_source(experts_cls.__name__, params), arch)
         block_cls = type(r.structure.block)
         if r.archetype.level == "block" and block_cls not in funcs:
             funcs[block_cls] = GeneratedFunction(block_cls, f"{block_cls.__name__}_forward",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, ExpertsLayout
+from ..runtime import ExpertParallelError, ExpertsLayout, expert_modules
 
 
 @dataclass
@@ -33,7 +33,8 @@ class BlockStructure:
     others: list[str] = field(default_factory=list)  # children that fit no role (norms, projections...)
     routing_free: bool = False  # the holder's forward takes no routing (see routing_free())
     zero_experts: int = 0  # identity experts after the routed ones (ids num_experts..), see routed_experts()
-    expert_modules: bool = False  # a ModuleList / ModuleDict of expert modules: the block calls each one itself
+    expert_modules: bool = False  # a ModuleList / ModuleDict of expert modules (runtime.expert_modules)
+    calls_each_expert: bool = False  # ... without a forward of its own: the block calls each expert itself
 
     @property
     def experts_path(self) -> str:
@@ -128,7 +129,8 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
     assert layout is not None
     s = BlockStructure(path, block, experts_name, experts, routed_experts(experts, layout),
                        _hidden_size(experts, layout), routing_free=not layout.modules and not takes_routing(experts),
-                       zero_experts=layout.zero_experts, expert_modules=layout.modules)
+                       zero_experts=layout.zero_experts, expert_modules=layout.modules,
+                       calls_each_expert=layout.modules and not expert_modules.has_own_forward(experts))
     for name, child in block.named_children():
         if name == experts_name:
             continue
@@ -141,6 +143,35 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
         else:
             s.others.append(name)
     return s
+
+
+def nested_router(s: BlockStructure) -> str | None:
+    """The path of a router ``Linear`` (weight ``[experts, hidden]``) inside another child of the block,
+    when no child is one itself (Switch's ``router.classifier``, JetMoE's ``router.layer``): what
+    describe-moe names as the router the block's own code calls."""
+    if s.router_name is not None:
+        return None
+    for name, child in s.block.named_children():
+        if name == s.experts_name:
+            continue
+        for sub, m in child.named_modules():
+            if sub and isinstance(m, nn.Linear) and _is_router(m, s.num_experts + s.zero_experts, s.hidden_size):
+                return f"{name}.{sub}"
+    return None
+
+
+def describe_expert_modules(s: BlockStructure) -> str | None:
+    """One line on experts held as modules: their class and count, the role of each projection and the
+    activation (``8 x TinyMoeMLP: gate w1, up w3, down w2, activation silu``); None for 3-D layouts."""
+    layout = experts_layout(s.experts)
+    if layout is None or not layout.modules:
+        return None
+    first = s.experts.get_submodule(layout.held[0])
+    roles = [f"{role} {name.rsplit('.', 1)[0]}" for role, name in (("gate", layout.gate), ("up", layout.up),
+                                                                    ("down", layout.down)) if name]
+    kind, act = layout.module_act  # a built-in function, or the expert's own attribute (and its class)
+    act = act if kind == "fn" else f"{act} ({type(getattr(first, act)).__name__})"
+    return f"{len(layout.expert_keys)} x {type(first).__name__}: {', '.join(roles)}, activation {act}"
 
 
 def expert_count(module: nn.Module, name: str = "") -> int:

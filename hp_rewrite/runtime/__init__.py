@@ -5,6 +5,7 @@ GEMM) -> :func:`experts_and_combine` (all-to-all back, weighted sum) -> :func:`m
 Everything here is typed and takes its settings as arguments; nothing reads the environment.
 """
 
+from . import expert_modules
 from .capacity import CapacityResult, apply_capacity, expert_capacity
 from .comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .context import ExchangeRuntime
@@ -93,6 +94,7 @@ __all__ = [
     "softmax_topk",
     "sync_gradients",
     "GradientSync",
+    "expert_modules",
     "expert_parameters",
     "holder_of",
     "rank_local_names",

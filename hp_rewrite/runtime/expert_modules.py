@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import ExpertParallelError
+
 ACT_ATTRS = ("act_fn", "activation_fn", "act", "activation", "activation_function")
 _DOWN_NAMES = ("down_proj", "w2", "fc2", "wo", "c_proj", "dense_4h_to_h", "output_linear")
 
@@ -60,7 +62,22 @@ class ModuleRoles:
 
 
 def expert_keys(module: nn.Module) -> tuple[str, ...]:
-    return tuple(k for k, m in module._modules.items() if m is not None)
+    """The keys of the container's children that have weights: its experts (a parameter-free child such
+    as NLLB-MoE's ``token_dropout`` is the container's own)."""
+    return tuple(k for k, m in module._modules.items() if m is not None and any(True for _ in m.parameters()))
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether the container's class defines a forward (Switch's and NLLB-MoE's take the routing); a
+    plain ModuleList / ModuleDict has none: its block calls each expert itself."""
+    return type(module).forward is not nn.Module.forward and type(module) not in (ExpertModuleList, ExpertModuleDict)
+
+
+def dropouts(module: nn.Module, keys) -> list[nn.Module]:
+    """The dropout modules the experts ``keys`` and the container's own children apply in training."""
+    own = [m for k, m in module._modules.items() if k not in set(expert_keys(module)) and m is not None]
+    inside = [m for k in keys for m in module._modules[k].modules()] + [m for o in own for m in o.modules()]
+    return [m for m in inside if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
 def _linears(expert: nn.Module) -> dict[str, nn.Linear] | None:
@@ -162,9 +179,25 @@ def activation_of(expert: nn.Module, activation: tuple[str, str]):
     return getattr(expert, name) if kind == "attr" else BUILTIN_ACTIVATIONS[name]
 
 
+def refuse_training_dropout(module: nn.Module, keys) -> None:
+    """A dropout inside the experts (or the container's own, on their outputs) that is active: the
+    grouped GEMMs never run the expert modules, and no expert-parallel run can draw the masks the
+    unmodified model would draw (their order and generator differ), so training would silently differ."""
+    active = [d for d in dropouts(module, keys) if d.training and d.p > 0]
+    if active:
+        raise ExpertParallelError(
+            f"{type(module).__name__}: dropout (p={active[0].p}) inside the experts is active in training; the "
+            "expert-parallel experts run as grouped GEMMs and cannot draw the masks the unmodified model draws. "
+            "Train with that dropout at 0 (its config field, e.g. dropout_rate / activation_dropout / "
+            "moe_token_dropout, before loading), or run this model data-parallel")
+
+
 def keep_experts(module: nn.Module, keys) -> None:
-    """Keep only the expert modules ``keys`` (in this order, under their original keys) in ``module``."""
+    """Keep only the expert modules ``keys`` (in this order, under their original keys) in ``module``,
+    and its parameter-free children."""
+    experts = set(expert_keys(module))
     kept = OrderedDict((k, module._modules[k]) for k in keys)
+    kept.update((k, m) for k, m in module._modules.items() if k not in experts)
     module._modules.clear()
     module._modules.update(kept)
 

@@ -455,6 +455,8 @@ def local_experts_forward(
 ) -> torch.Tensor:
     """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert."""
     layout = layout or ExpertsLayout.of(module)
+    if layout.modules and module.training:
+        expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
     weights = {n: layout.weight(module, n) for n in layout.roles}  # experts held as modules: stacked once
     up = weights[layout.up]

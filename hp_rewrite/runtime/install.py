@@ -36,6 +36,7 @@ from .experts import (
 )
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
+from .routers import from_dispatch_masks
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,19 @@ class ExpertParallelBinding:
         return self.placement.num_experts
 
 
-def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None) -> torch.Tensor:
+def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None,
+                            eval_scale: float = 1.0) -> torch.Tensor:
     """The forward of an installed experts holder: the only experts-level forward (the experts-level
-    archetype's generated function calls it)."""
+    archetype's generated function calls it). ``top_k_index`` may also be one-hot dispatch masks
+    ``[T, K, E]`` (Switch Transformers'); ``eval_scale`` multiplies the output in eval mode."""
     if isinstance(hidden, LocalBatch):
         return local_experts_forward(self, hidden, self.hp_layout)
+    if top_k_index is not None and top_k_index.dim() == 3 and top_k_index.shape[-1] == self.hp_expert_parallel.num_experts:
+        top_k_index, top_k_weights = from_dispatch_masks(top_k_index, top_k_weights)
     state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
     out = experts_and_combine(state, self, via_call=False)
+    if eval_scale != 1.0 and not self.training:
+        out = out * eval_scale
     if hidden.dim() > 2:  # [B, S, H] in, [B, S, H] out (DBRX)
         out = out.view(hidden.shape)
     # Never a view: under FSDP2 (which wraps this holder) an in-place op on a returned view would drop

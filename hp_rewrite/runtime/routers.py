@@ -95,6 +95,18 @@ def sigmoid_group(
     return RouterOutput(logits, weights, indices)
 
 
+def from_dispatch_masks(masks: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [T, K], weights [T, K])`` of one-hot dispatch masks ``[T, K, E]`` with their weights
+    ``[T, K]`` (Switch Transformers' router output): a slot whose mask row is all zero was dropped for
+    capacity and gets weight 0 (its expert output is computed and multiplied by 0, so it contributes
+    nothing, to the output or to any gradient)."""
+    hits = masks.sum(-1)
+    if not torch.compiler.is_compiling() and bool((hits > 1).any()):
+        raise ExpertParallelError("dispatch masks with more than one expert per slot: not a top-k routing")
+    weights = weights.reshape(hits.shape)
+    return masks.argmax(-1), torch.where(hits > 0, weights, torch.zeros_like(weights))
+
+
 def call_router_module(router: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> RouterOutput:
     """Call a model's own router module (``topk_router_module``): exact by construction.
 
