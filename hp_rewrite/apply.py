@@ -95,7 +95,7 @@ def module_rows(analysis, plan) -> tuple[list[dict], list[dict]]:
             "archetype": r.archetype.as_dict(),
             "num_experts": s.num_experts,
             "local_experts": s.num_experts // ep_size if s.num_experts % ep_size == 0 else None,
-            "top_k": top_k_of(s.block, getattr(s.block, s.router_name) if s.router_name else None),
+            "top_k": top_k_of(s.block, s.block.get_submodule(s.router_name) if s.router_name else None),
             "experts_by_rank": _experts_by_rank(plan, s),
         })
     unmatched = [{"path": r.structure.path, "class": type(r.structure.block).__name__, "reason": r.reason}

@@ -36,7 +36,7 @@ from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
 from hp_rewrite.runtime import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded", "dbrx"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded", "dbrx", "jetmoe"]
 BALANCED = ["qwen3_moe", "gpt_oss", "granitemoe", "dbrx"]  # also loaded with the plan's balanced placement
 MEMORY_SLACK = 1.15
 

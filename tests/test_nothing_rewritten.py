@@ -1,6 +1,6 @@
 """A plan that rewrites no block of a model is refused, never a model marked expert-parallel with every
 expert still on every rank (#23 item 1): through auto_patch + from_pretrained (a remote-code model, a
-transformers model whose experts are modules, a dense model), hp_rewrite.from_pretrained, rewrite_model,
+transformers model whose experts are not routed per token, a dense model), hp_rewrite.from_pretrained, rewrite_model,
 install of an artifact written for another model, and apply."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ EP1 = Plan.model_validate({"version": 1, "ep_size": 1})
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nothing")
     return {"remote": write_checkpoint(root / "remote", router="softmax_temperature"), "dense": make_tiny("qwen3", root / "dense"),
-            "jetmoe": make_tiny("jetmoe", root / "jetmoe"),
+            "vitpose": make_tiny("vitpose_backbone", root / "vitpose"),
             "qwen3_moe": make_tiny("qwen3_moe", root / "qwen3_moe")}
 
 
@@ -45,10 +45,12 @@ def test_remote_code_model_whose_router_fits_no_archetype_is_refused(dirs, tmp_p
     assert not (tmp_path / "art").exists()  # no artifact written
 
 
-def test_transformers_model_whose_experts_fit_no_holder_is_refused(dirs, tmp_path) -> None:
-    with pytest.raises(SelectionError, match=r"\(JetMoeMoE\): its per-expert weights .* are split over sub-modules"), \
+def test_transformers_model_whose_experts_are_not_routed_is_refused(dirs, tmp_path) -> None:
+    """ViTPose's "experts" are picked by a dataset index, not per token: nothing to dispatch."""
+    with pytest.raises(SelectionError, match=r"\(VitPoseNaiveMoe\): its 8 experts are separate modules .* not chosen "
+                                             r"per token by a router"), \
             hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
-        transformers.AutoModelForCausalLM.from_pretrained(dirs["jetmoe"])
+        transformers.VitPoseBackbone.from_pretrained(dirs["vitpose"])
 
 
 def test_dense_model_through_from_pretrained_is_refused(dirs, tmp_path) -> None:
@@ -78,10 +80,10 @@ def test_an_artifact_of_another_model_installs_nothing_and_is_refused(dirs, tmp_
         install(remote, artifact, EP1, ExpertParallelGroup.single())
 
 
-def test_apply_on_split_expert_weights_exits_2(dirs, tmp_path, capsys) -> None:
+def test_apply_on_unrouted_experts_exits_2(dirs, tmp_path, capsys) -> None:
     plan = tmp_path / "p.yaml"
     plan.write_text("version: 1\nep_size: 1\n")
-    assert main(["apply", str(plan), str(dirs["jetmoe"]), "--out", str(tmp_path / "gen")]) == 2
+    assert main(["apply", str(plan), str(dirs["vitpose"]), "--out", str(tmp_path / "gen")]) == 2
     msg = capsys.readouterr().out
-    assert "rewrites no MoE block" in msg and "split over sub-modules" in msg and "Traceback" not in msg
+    assert "rewrites no MoE block" in msg and "not chosen per token" in msg and "Traceback" not in msg
     assert not (tmp_path / "gen").exists()

@@ -56,8 +56,9 @@ def split_params(params: object) -> tuple[dict[str, str], dict[str, object]]:
             raise TemplateError(f"{type(params).__name__}.{f.name}: placeholders are upper-case names")
         if is_attribute(f):
             if value is not None:
-                if not isinstance(value, str) or not value.isidentifier():
-                    raise TemplateError(f"{type(params).__name__}.{f.name}: an attribute name, got {value!r}")
+                if not isinstance(value, str) or not all(part.isidentifier() for part in value.split(".")):
+                    raise TemplateError(f"{type(params).__name__}.{f.name}: an attribute name (or a dotted path "
+                                        f"of them), got {value!r}")
                 names[f.name] = value
         else:
             constants[f.name] = value
@@ -112,8 +113,8 @@ class _Specialise(cst.CSTTransformer):
         self._elifs: set[int] = set()
 
     def leave_Attribute(self, original, updated):  # noqa: N802 - libcst visitor API
-        if _self_attr(updated) in self.names:
-            return updated.with_changes(attr=cst.Name(self.names[updated.attr.value]))
+        if _self_attr(updated) in self.names:  # self.ROUTER -> self.gate (or self.router.layer: a path)
+            return cst.parse_expression(f"self.{self.names[updated.attr.value]}")
         return updated
 
     def leave_Name(self, original, updated):  # noqa: N802

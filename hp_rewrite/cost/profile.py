@@ -113,7 +113,7 @@ def record_routing(model: nn.Module, batches: list[torch.Tensor], plan=None) -> 
         return hook
 
     def rows_for(s, e: int):  # experts held as modules: each one is called with its own rows
-        k = top_k_of(s.block, getattr(s.block, s.router_name, None) if s.router_name else None,
+        k = top_k_of(s.block, s.block.get_submodule(s.router_name) if s.router_name else None,
                      getattr(s.block, "config", None), getattr(model, "config", None))
 
         def hook(module, args, kwargs):

@@ -159,7 +159,7 @@ def shared_shape(module: nn.Module, hidden: int) -> MLPShape:
 
 
 def _top_k(s: BlockStructure, config) -> int:
-    router = getattr(s.block, s.router_name) if s.router_name else None
+    router = s.block.get_submodule(s.router_name) if s.router_name else None
     k = top_k_of(s.block, router, getattr(s.experts, "config", None), config)
     if k is None:
         raise ValueError(f"{s.path}: cannot find the router's top-k (no top_k on the router, block or config)")
@@ -167,7 +167,7 @@ def _top_k(s: BlockStructure, config) -> int:
 
 
 def layer_spec(s: BlockStructure, config, archetype: dict | None, confirmed: str) -> MoELayerSpec:
-    router = getattr(s.block, s.router_name) if s.router_name else None
+    router = s.block.get_submodule(s.router_name) if s.router_name else None
     shared = getattr(s.block, s.shared_name) if s.shared_name else None
     return MoELayerSpec(
         path=s.path,

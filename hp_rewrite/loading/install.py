@@ -35,8 +35,9 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
         if entry is None:
             continue  # unmatched when analysed: left untouched
         install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard,
-                                placement=expert_placement(plan, s, ep), runtime=runtime)
-        s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
+                                placement=expert_placement(plan, s, ep), runtime=runtime, bind_forward=not s.self_held)
+        if not s.self_held:  # a block holding its experts has only the block forward
+            s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
         block_entry = classes.get(_qualname(type(s.block)))
         if block_entry is not None and block_entry["archetype"]["level"] == "block":
             s.block.hp_original_forward = s.block.forward

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..runtime import ExpertParallelError, ExpertParallelGroup, ExpertPlacement
 from .archetype import MatchResult, choose_archetype
-from .structure import BlockStructure, analyze_block, find_blocks, find_experts_holders
+from .structure import BlockStructure, analyze_block, experts_layout, find_blocks, find_experts_holders
 
 
 def recorded_router_classes(model: nn.Module) -> set[type]:
@@ -52,6 +52,9 @@ def _blocks_collecting(model: nn.Module, failed: list[AnalysisFailure]) -> list[
     for path, holder in find_experts_holders(model):
         parent_path, _, attr = path.rpartition(".")
         try:
+            if experts_layout(holder).split:  # the block holds its experts itself
+                blocks.append(analyze_block(path, holder, ""))
+                continue
             blocks.append(analyze_block(parent_path, model.get_submodule(parent_path) if parent_path else model, attr))
         except Exception as e:  # noqa: BLE001 - recorded, the caller asked for a diagnosis
             failed.append(AnalysisFailure(path, holder, f"the structure analysis raised {type(e).__name__}: {e}"))
@@ -82,7 +85,7 @@ def analyze(model: nn.Module, plan, *, collect_errors: bool = False) -> Analysis
             continue
         key = (type(s.block), s.experts_name, type(s.experts))
         if key not in by_class:
-            router = getattr(s.block, s.router_name) if s.router_name else None
+            router = s.block.get_submodule(s.router_name) if s.router_name else None
             try:
                 with torch.device("cpu"):  # the probe runs real tiny tensors, even under a meta-device context
                     by_class[key] = choose_archetype(s, forced, recorded_router=type(router) in recorded,

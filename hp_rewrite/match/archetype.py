@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..archetypes import block_routed, experts_routed, input_scaled
+from ..archetypes import block_routed, experts_routed, input_scaled, self_held
 from ..codegen.specialize import specialize, split_params
 from ..runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, softmax_topk
 from .registry import ArchetypeSpec, Probe, register_archetype
@@ -85,6 +85,8 @@ def layout_name(experts: nn.Module) -> str:
         parts.append("interleaved")
     if layout.flat:
         parts.append("flat")
+    if layout.split:
+        parts.append("split")
     if layout.transposed:
         parts.append("transposed")
     if layout.up_bias or layout.down_bias:
@@ -180,8 +182,8 @@ def narrow_probe(s: BlockStructure, seed: int = 0) -> tuple[nn.Module, int] | No
         for name, shape in shapes.items() for key in held
     }
     probe = materialize(s.block, seed, memo)
-    experts = getattr(probe, s.experts_name)
-    for m in experts.modules() if layout.flat or layout.modules else [experts]:  # the children read the width too
+    experts = _experts_of(probe, s)
+    for m in experts.modules() if layout.flat or layout.modules or layout.split else [experts]:  # children too
         for attr in _WIDTH_ATTRS:
             if type(getattr(m, attr, None)) is int and getattr(m, attr) == width:
                 setattr(m, attr, narrow)
@@ -217,6 +219,11 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / scale).item()
 
 
+def _experts_of(block: nn.Module, s: BlockStructure) -> nn.Module:
+    """The experts holder of (a copy of) ``s``'s block: the block itself when it holds its experts."""
+    return block if s.self_held else getattr(block, s.experts_name)
+
+
 def _router_is_module_contract(router: nn.Module, hidden: torch.Tensor) -> bool:
     try:
         out = router(hidden)
@@ -227,7 +234,7 @@ def _router_is_module_contract(router: nn.Module, hidden: torch.Tensor) -> bool:
 
 def _block_candidates(s: BlockStructure, probe: nn.Module, hidden: torch.Tensor, forced: dict, recorded: bool):
     """(router, shared, constants) candidates for the block-level archetype, most specific first."""
-    router = getattr(probe, s.router_name)
+    router = probe.get_submodule(s.router_name)
     routers = []
     module_contract = _router_is_module_contract(router, hidden)
     top_k = _lookup(("top_k", "num_experts_per_tok"), router, probe)
@@ -312,7 +319,7 @@ def _input_scaled_params(s: BlockStructure, probe: Probe):
     scales the experts' input by the scores (Llama 4)."""
     if probe.forced.get("router", "auto") != "auto":
         return None  # a plan that names a router kind asks for output-side routing weights: not this archetype
-    router = getattr(probe.block, s.router_name)
+    router = probe.block.get_submodule(s.router_name)
     top_k = getattr(router, "top_k", None) or getattr(probe.block, "top_k", None)
     if not isinstance(top_k, int):
         return None
@@ -323,6 +330,28 @@ def _input_scaled_params(s: BlockStructure, probe: Probe):
             for mode in modes for flat in (False, True)]
 
 
+def _self_held_params(s: BlockStructure, probe: Probe):
+    """Candidates for a block holding its experts (JetMoE): softmax top-k of the router Linear (top-k over
+    the logits then softmax is the same), with the block's ``[hidden]`` parameter as output bias."""
+    if probe.forced.get("router", "auto") not in ("auto", "softmax_topk") or \
+            probe.forced.get("shared", "auto") not in ("auto", "none"):
+        return None
+    path = s.router_name.split(".")
+    owners = [probe.block.get_submodule(".".join(path[:i])) for i in range(len(path), 0, -1)]
+    top_k = next((k for o in owners if isinstance(k := getattr(o, "top_k", None), int)), None)
+    if top_k is None:
+        return None
+    biases = [n for n, p in probe.block.named_parameters(recurse=False) if tuple(p.shape) == (s.hidden_size,)]
+    bias = {"OUTPUT_BIAS": biases[0], "HAS_OUTPUT_BIAS": True} if len(biases) == 1 else {}
+    return [self_held.Params(ROUTER=s.router_name, TOP_K=top_k, RENORMALIZE=renorm, WEIGHTS_DTYPE=dtype, **bias)
+            for renorm in (True, False) for dtype in ("logits", "fp32")]
+
+
+SELF_HELD = register_archetype(
+    "self_held", template=self_held, params=self_held.Params, origin="hp_rewrite",
+    predicate=lambda s: s.self_held and s.router_name is not None and s.shared_name is None and not s.others,
+    derive=_self_held_params, describe=lambda p: ("softmax_topk", "none"),
+)
 INPUT_SCALED = register_archetype(
     "input_scaled", template=input_scaled, params=input_scaled.Params, origin="hp_rewrite",
     predicate=lambda s: s.routing_free and s.router_name is not None and s.shared_gate_name is None and not s.others,
@@ -348,7 +377,7 @@ def _probe_inputs(s: BlockStructure) -> torch.Tensor:
 
 def _install_ep1(probe: nn.Module, s: BlockStructure) -> nn.Module:
     """Make the probe's experts holder expert-parallel at EP=1, in place (weights unchanged)."""
-    experts = getattr(probe, s.experts_name)
+    experts = _experts_of(probe, s)
     install_expert_parallel(experts, num_experts=s.num_experts, ep=ExpertParallelGroup.single(),
                             options=RuntimeOptions(), shard=False)
     return experts
@@ -367,9 +396,9 @@ def _experts_reference(probe: nn.Module, s: BlockStructure, experts_in: tuple) -
     """The routing the holder takes and its unmodified output (None for a holder the block drives
     itself): ``(hidden, top_k_index, top_k_weights)``, else for experts held as modules the same as
     one-hot dispatch masks ``[T, K, E]`` (Switch Transformers')."""
-    if s.routing_free or s.calls_each_expert:
+    if s.routing_free or s.calls_each_expert or s.self_held:
         return experts_in, None
-    experts = getattr(probe, s.experts_name)
+    experts = _experts_of(probe, s)
     try:
         return experts_in, experts(*experts_in)
     except Exception:
@@ -430,7 +459,8 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     forced_block = [f"{k}: {forced[k]}" for k in ("router", "shared") if forced.get(k, "auto") != "auto"]
     if level in ("auto", "block"):
         ctx = Probe(probe, x.reshape(-1, s.hidden_size), forced, recorded_router, isinstance(ref, tuple))
-        specs = [e for e in extensions if e.level == "block"] + [INPUT_SCALED if s.routing_free else BLOCK_ROUTED]
+        builtin = SELF_HELD if s.self_held else INPUT_SCALED if s.routing_free else BLOCK_ROUTED
+        specs = [e for e in extensions if e.level == "block"] + [builtin]
         for spec in specs:
             arch = _confirm_block(spec, s, ctx, x, ref, block_callable, layout, forced_block, result.tried)
             if arch is not None:
@@ -441,6 +471,12 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         # honour a plan that asks for a given router or shared merge: report instead of ignoring it
         asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
         result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
+        return result
+    if s.self_held:
+        result.tried.append(
+            f"experts level: {type(s.block).__name__} holds its experts' weights in its own children and routes "
+            "inside its forward, so only a block-level archetype can drive them")
+        result.reason = "; ".join(result.tried)
         return result
     if s.calls_each_expert:
         result.tried.append(

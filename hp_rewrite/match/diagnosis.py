@@ -51,7 +51,13 @@ from .snippets import (
     plan_snippet,
     same_level_match,
 )
-from .structure import describe_expert_modules, find_blocks, find_experts_holders, nested_router
+from .structure import (
+    describe_expert_modules,
+    experts_layout,
+    find_blocks,
+    find_experts_holders,
+    nested_router,
+)
 
 
 @dataclass(frozen=True)
@@ -249,16 +255,19 @@ def _match_via_small_copy(model: nn.Module, config, size: int) -> tuple[list[Mat
 def _block_group(r: MatchResult) -> tuple[tuple, BlockGroup]:
     """The one-path group of a match result, and the key identical blocks share."""
     s = r.structure
-    router = getattr(s.block, s.router_name) if s.router_name else None
+    router = s.block.get_submodule(s.router_name) if s.router_name else None
+    # a router Linear inside a router module (JetMoE's router.layer): the module declares the top-k
+    router_module = s.block.get_submodule(s.router_name.split(".")[0]) if s.router_name else None
+    held = experts_layout(s.experts).weight_names if s.self_held else ()
     facts = BlockFacts(
         router=s.router_name,
         router_class=type(router).__name__ if router is not None else None,
-        experts=s.experts_name,
+        experts=" + ".join(held) + " (the block holds them)" if s.self_held else s.experts_name,
         experts_class=type(s.experts).__name__,
         layout=layout_name(s.experts),
         num_experts=s.num_experts,
         hidden_size=s.hidden_size,
-        top_k=top_k_of(s.block, router),
+        top_k=top_k_of(s.block, router) or top_k_of(s.block, router_module),
         shared=s.shared_name,
         shared_gate=s.shared_gate_name,
         others=tuple(s.others),
@@ -276,7 +285,7 @@ def _block_group(r: MatchResult) -> tuple[tuple, BlockGroup]:
         paths=(s.path or s.experts_path,),
         block_class=type(s.block).__name__,
         children=children_of(s.block),
-        params=direct_params(s.block) + direct_params(s.experts, f"{s.experts_name}."),
+        params=direct_params(s.block) + (() if s.self_held else direct_params(s.experts, f"{s.experts_name}.")),
         facts=facts,
         archetype=None if r.archetype is None else ArchetypeChoice.of(r.archetype),
         reason=None if matched else (r.reason or "no archetype reproduces the block"),

@@ -18,7 +18,7 @@ def generated_functions(analysis: Analysis) -> list[GeneratedFunction]:
     funcs: dict[type, GeneratedFunction] = {}
     for r in analysis.matched:
         experts_cls = type(r.structure.experts)
-        if experts_cls not in funcs:
+        if experts_cls not in funcs and not r.structure.self_held:  # a block holding its experts: one forward
             arch = {"level": "experts", "router": "model", "shared": "model", "layout": r.archetype.layout}
             params = r.archetype.params if r.archetype.level == "experts" else None  # its EVAL_SCALE
             funcs[experts_cls] = GeneratedFunction(experts_cls, f"{experts_cls.__name__}_forward",

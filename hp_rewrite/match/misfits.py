@@ -336,10 +336,19 @@ def _check_3d(model: nn.Module, path: str, m: nn.Module) -> Misfit | None:
         n = next(iter(split.values()))[0]
         owners = sorted({k.split(".")[0] for k in split})
         own, varargs = _forward_param_names(m)
-        reason = (
-            f"its per-expert weights ({', '.join(split)}, {n} experts) are split over sub-modules "
-            f"({', '.join(owners)}) instead of one experts holder, under weight names the runtime does not know"
-        )
+        if not any(callable(getattr(m, a, None)) for a in ("act_fn", "activation_fn", "activation")):
+            # hp-rewrite drives a block holding its MLP experts so (JetMoE's MoE); not one without an activation
+            reason = (
+                f"its per-expert weights ({', '.join(split)}, {n} experts) are two projections with no activation "
+                "between them, split over sub-modules: experts that are not an MLP (JetMoE's mixture of attention "
+                "maps queries in and reduces outputs around the attention, through map() and reduce() rather "
+                "than forward), which an expert-parallel MLP dispatch cannot run"
+            )
+        else:
+            reason = (
+                f"its per-expert weights ({', '.join(split)}, {n} experts) are split over sub-modules "
+                f"({', '.join(owners)}) instead of one experts holder, in shapes the runtime does not know"
+            )
         if len(own) < 3 and not varargs:
             reason += f"; forward({', '.join(own)}) does not take (hidden, top_k_index, top_k_weights)"
         facts = MisfitFacts(n, _find_router(model, f"{path}.{owners[0]}", n))

@@ -35,9 +35,12 @@ class BlockStructure:
     zero_experts: int = 0  # identity experts after the routed ones (ids num_experts..), see routed_experts()
     expert_modules: bool = False  # a ModuleList / ModuleDict of expert modules (runtime.expert_modules)
     calls_each_expert: bool = False  # ... without a forward of its own: the block calls each expert itself
+    self_held: bool = False  # the block holds its experts' weights in two children (JetMoE): experts is the block
 
     @property
     def experts_path(self) -> str:
+        if self.self_held:
+            return self.path
         return f"{self.path}.{self.experts_name}" if self.path else self.experts_name
 
 
@@ -75,9 +78,11 @@ def routed_experts(module: nn.Module, layout: ExpertsLayout) -> int | None:
     """How many routed (FFN) experts the holder has: its int ``num_experts``, or None. With zero experts
     (the up weight holds more experts than down, LongCat) it is down's count, which ``num_experts`` may
     declare with or without the zero ones (or not at all); the probe confirms the extra ids are identity.
-    Experts held as modules: their count."""
+    Experts held as modules: their count; split layouts: the weights' leading dimension."""
     if layout.modules:
         return len(layout.expert_keys)
+    if layout.split:
+        return layout.weight(module, layout.down).shape[0]
     n = getattr(module, "num_experts", None)
     n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
     if not layout.zero_experts:
@@ -124,16 +129,23 @@ def _maps_hidden_to_hidden(module: nn.Module, hidden: int) -> bool:
 
 
 def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStructure:
-    experts = getattr(block, experts_name)
+    """The roles of ``block``'s children around its experts holder ``experts_name`` (``""``: the block
+    holds its experts' weights itself, a split layout; its router may then sit inside a child)."""
+    experts = getattr(block, experts_name) if experts_name else block
     layout = experts_layout(experts)
     assert layout is not None
     s = BlockStructure(path, block, experts_name, experts, routed_experts(experts, layout),
-                       _hidden_size(experts, layout), routing_free=not layout.modules and not takes_routing(experts),
+                       _hidden_size(experts, layout),
+                       routing_free=not (layout.modules or layout.split) and not takes_routing(experts),
                        zero_experts=layout.zero_experts, expert_modules=layout.modules,
-                       calls_each_expert=layout.modules and not expert_modules.has_own_forward(experts))
+                       calls_each_expert=layout.modules and not expert_modules.has_own_forward(experts),
+                       self_held=layout.split)
+    owners = {n.split(".")[0] for n in layout.weight_names} if layout.split else set()
     for name, child in block.named_children():
-        if name == experts_name:
+        if name == experts_name or name in owners:
             continue
+        if s.self_held and not any(True for _ in child.parameters()):
+            continue  # its activation (the probe confirms the generated forward uses it as the block does)
         if s.router_name is None and _is_router(child, s.num_experts + s.zero_experts, s.hidden_size):
             s.router_name = name
         elif isinstance(child, nn.Linear) and child.out_features == 1 and child.in_features == s.hidden_size:
@@ -142,6 +154,11 @@ def analyze_block(path: str, block: nn.Module, experts_name: str) -> BlockStruct
             s.shared_name = name
         else:
             s.others.append(name)
+    if s.self_held and s.router_name is None:  # a router module around the router Linear (JetMoE's router.layer)
+        inside = nested_router(s)
+        if inside is not None:
+            s.router_name = inside
+            s.others.remove(inside.split(".")[0])
     return s
 
 
@@ -244,7 +261,10 @@ def find_experts_holders(model: nn.Module, any_layout: bool = False) -> list[tup
 def find_blocks(model: nn.Module) -> list[BlockStructure]:
     """One :class:`BlockStructure` per experts holder (its parent is the block)."""
     blocks = []
-    for path, _ in find_experts_holders(model):
+    for path, holder in find_experts_holders(model):
+        if experts_layout(holder).split:  # the block holds its experts itself
+            blocks.append(analyze_block(path, holder, ""))
+            continue
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         blocks.append(analyze_block(parent_path, parent, attr))

@@ -49,6 +49,9 @@ class ExpertsLayout:
         (``w1.weight``), stacked over the held experts by :meth:`weight`. Empty for 3-D layouts.
     held_keys: the keys this rank holds (set when the holder is sharded); None: all of them.
     module_act: the experts' activation, ``("attr", name)`` or ``("fn", name)`` (:mod:`.expert_modules`).
+    split: the 3-D weights live in two children of the holder (JetMoE's ``input_linear.weight`` and
+        ``output_linear.weight``; names are paths), and the holder is the MoE block itself, which also
+        holds its router (:meth:`split_of`).
     """
 
     kind: str
@@ -67,6 +70,7 @@ class ExpertsLayout:
     expert_keys: tuple[str, ...] = ()
     held_keys: tuple[str, ...] | None = None
     module_act: tuple[str, str] | None = None
+    split: bool = False
 
     @property
     def modules(self) -> bool:
@@ -154,7 +158,30 @@ class ExpertsLayout:
         if self.modules:
             return expert_modules.activation_of(module.get_submodule(self.held[0]), self.module_act)
         owner = self.param(module, self.up.rpartition(".")[0]) if self.flat and "." in self.up else module
-        return next(getattr(m, a) for m in (module, owner) for a in ("act_fn", "activation_fn") if hasattr(m, a))
+        names = ("act_fn", "activation_fn", "activation") if self.split else ("act_fn", "activation_fn")
+        return next(getattr(m, a) for m in (module, owner) for a in names if callable(getattr(m, a, None)))
+
+    @classmethod
+    def split_of(cls, module: nn.Module) -> ExpertsLayout | None:
+        """The layout of a block holding its experts' 3-D weights in two children, one ``weight`` each
+        (JetMoE: ``input_linear.weight [E, 2I, H]``, ``output_linear.weight [E, H, I]``, read as ``x @ W_e.T``;
+        a fused gate/up when the first is twice the second's width), with a callable ``activation``;
+        None otherwise."""
+        held = []
+        for name, child in module.named_children():
+            params = dict(child.named_parameters())
+            w = params.get("weight")
+            if len(params) == 1 and w is not None and w.dim() == 3 and w.shape[0] >= 2 and w.is_floating_point():
+                held.append((name, w))
+        if len(held) != 2 or held[0][1].shape[0] != held[1][1].shape[0]:
+            return None
+        (up, w_up), (down, w_down) = held
+        hidden, width = w_down.shape[1], w_down.shape[2]
+        if w_up.shape[2] != hidden or w_up.shape[1] not in (width, 2 * width):
+            return None
+        if not any(callable(getattr(module, a, None)) for a in ("act_fn", "activation_fn", "activation")):
+            return None
+        return cls("fused", f"{up}.weight", f"{down}.weight", None, w_up.shape[1] == 2 * width, split=True)
 
     @classmethod
     def flat_of(cls, module: nn.Module) -> ExpertsLayout | None:
@@ -193,6 +220,10 @@ class ExpertsLayout:
     @classmethod
     def of(cls, module: nn.Module) -> ExpertsLayout:
         """Read the layout from the module's parameters and its ``use_experts_implementation`` flags."""
+        if not any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            split = cls.split_of(module)
+            if split is not None:
+                return split
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             layout = cls.modules_of(module)
             if layout is None:
@@ -447,7 +478,9 @@ def _gate_of(module: nn.Module, layout: ExpertsLayout, kind: str):
         return npu.npu_swiglu
     if not layout.gated:
         return layout.activation(module)
-    return module._apply_gate if hasattr(module, "_apply_gate") else functools.partial(_default_gate, module)
+    if hasattr(module, "_apply_gate"):
+        return module._apply_gate
+    return functools.partial(_default_gate, layout.activation(module))
 
 
 def local_experts_forward(
@@ -505,9 +538,9 @@ def local_experts_forward(
     return y
 
 
-def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+def _default_gate(act, gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return module.act_fn(gate) * up
+    return act(gate) * up
 
 
 def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
@@ -530,5 +563,7 @@ def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
             )
         rows = w[held[0] : held[-1] + 1] if held == list(range(held[0], held[-1] + 1)) else w[held]
         layout.set_param(module, name, nn.Parameter(layout.stored(rows).clone(), requires_grad=p.requires_grad))
-    if hasattr(module, "num_experts"):
-        module.num_experts = len(keep)
+    owners = {module} | ({layout.owner_of(module, n)[0] for n in layout.weight_names} if layout.split else set())
+    for owner in owners:  # split layouts: the children holding the weights count their experts too
+        if hasattr(owner, "num_experts"):
+            owner.num_experts = len(keep)

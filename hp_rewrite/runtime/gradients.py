@@ -48,7 +48,17 @@ def rank_local_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
-        if holder_of(module) is not None:
+        holder = holder_of(module)
+        if holder is not None and holder is module and holder.hp_layout.split:
+            # a block holding its experts (JetMoE's): only the two children with the expert weights are
+            # rank-local; its router and output bias are replicated like any dense parameter
+            for w in holder.hp_layout.weight_names:
+                owner_path = w.rpartition(".")[0]
+                owner = holder.get_submodule(owner_path)
+                found.append((f"{name}.{owner_path}" if name else owner_path, owner))
+                inside.update(id(m) for m in owner.modules())
+            continue
+        if holder is not None:
             found.append((name, module))
             inside.update(id(m) for m in module.modules())
     return found

@@ -94,12 +94,14 @@ def install_expert_parallel(
     shard: bool = True,
     placement: ExpertPlacement | None = None,
     runtime: ExchangeRuntime | None = None,
+    bind_forward: bool = True,
 ) -> nn.Module:
     """Make ``experts`` expert-parallel. ``shard=False`` when it already holds only its local experts.
 
     ``placement`` says which experts this rank keeps (default: consecutive blocks of experts).
     ``runtime``: the deferred-gradient queue and turn hook the model's layers share (default: one of
-    its own).
+    its own). ``bind_forward=False`` keeps the module's forward: a block holding its experts itself
+    (JetMoE's) gets the generated block forward instead.
     """
     options = options or RuntimeOptions()
     placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
@@ -126,8 +128,9 @@ def install_expert_parallel(
     experts.hp_layout = layout
     experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime(),
                                                        layout.zero_experts)
-    experts.hp_original_forward = experts.forward
-    experts.forward = types.MethodType(expert_parallel_forward, experts)
+    if bind_forward:
+        experts.hp_original_forward = experts.forward
+        experts.forward = types.MethodType(expert_parallel_forward, experts)
     return experts
 
 

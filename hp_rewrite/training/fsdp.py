@@ -83,6 +83,13 @@ def fully_shard(
     if getattr(info, "fsdp", None) is not None:
         return model
     holders = [m for m in inner.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    split = [type(h).__name__ for h in holders if h.hp_layout.split]
+    if split:
+        raise ExpertParallelError(
+            f"fully_shard: {split[0]} holds its experts' weights in two sub-modules that its expert-parallel "
+            "forward reads directly, beside its router; FSDP2 cannot unshard them around that forward. Train "
+            "this model with DDP or hp_rewrite.sync_gradients (its experts are already split over the EP ranks)"
+        )
     if any(h.hp_expert_parallel.options.defer_expert_grads for h in holders):
         raise ExpertParallelError(
             "fully_shard: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "

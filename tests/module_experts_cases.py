@@ -1,5 +1,7 @@
-"""Switch Transformers and NLLB-MoE (encoder-decoders whose experts are a ModuleDict of MLPs, routed
-with capacity) at EP=2, each rank in a real gloo world, against the unmodified model."""
+"""The transformers families whose experts are not one 3-D holder, at EP=2, each rank in a real gloo
+world, against the unmodified model: Switch Transformers and NLLB-MoE (encoder-decoders whose experts
+are a ModuleDict of MLPs, routed with capacity) and JetMoE (3-D expert weights in two sub-modules of
+the block)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 #: training with every dropout at 0 (dropout inside the experts is refused in training), no router
@@ -20,6 +23,7 @@ NO_DROPOUT = {
     "switch_transformers": {"dropout_rate": 0.0, "router_jitter_noise": 0.0},
     "nllb-moe": {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "moe_token_dropout": 0.0,
                  "expert_capacity": 1000, "moe_eval_capacity_token_fraction": 1.0},
+    "jetmoe": {"attention_dropout": 0.0},
 }
 
 
@@ -46,6 +50,9 @@ def step(ref, ours, rank: int, world: int, training: bool) -> dict:
     mine = slice(2 * rank, 2 * rank + 2)
 
     def loss_of(model, rows):
+        if not model.config.is_encoder_decoder:  # a causal LM: its own next tokens
+            logits = model(input_ids=tgt[rows]).logits
+            return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tgt[rows].roll(-1, 1).reshape(-1))
         logits = model(input_ids=src[rows], decoder_input_ids=tgt[rows]).logits
         return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tgt[rows].roll(-1, 1).reshape(-1))
 
@@ -54,15 +61,16 @@ def step(ref, ours, rank: int, world: int, training: bool) -> dict:
     logits, loss = loss_of(ours, mine)
     loss.backward()
     sync_gradients(ours)
-    ref_params = dict(ref.named_parameters())
-    floor = 1e-3 * max(_grad(p).abs().max().item() for p in ref_params.values())
-    errs = {n: ((_grad(p) - _grad(ref_params[n])).abs().max() / max(_grad(ref_params[n]).abs().max().item(), floor)).item()
+    weights = expert_weights(ours)  # 3-D expert weights (JetMoE's): this rank's rows of the reference
+    want = {n: local_rows(*weights[n], _grad(p)) if n in weights else _grad(p) for n, p in ref.named_parameters()}
+    floor = 1e-3 * max(g.abs().max().item() for g in want.values())
+    errs = {n: ((_grad(p) - want[n]).abs().max() / max(want[n].abs().max().item(), floor)).item()
             for n, p in ours.named_parameters()}
     return {"logits_rel": ((logits - theirs[mine]).abs().max() / theirs[mine].abs().max()).item(),
             "grad_worst": max(errs.values()), "grad_worst_name": max(errs, key=errs.get)}
 
 
-def ep2_seq2seq(rank: int, world: int, payload: dict) -> dict:
+def ep2_module_experts(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
     plan = parse_plan(f"version: 1\nep_size: {world}\n")
     out = {}
@@ -70,7 +78,8 @@ def ep2_seq2seq(rank: int, world: int, payload: dict) -> dict:
         ref = build_tiny_model(config(model_type, overrides), seed=0)
         ours = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
         held = sorted({n.split(".experts.")[1].split(".")[0] for n, _ in ours.named_parameters() if ".experts." in n})
-        out[model_type] = {"held": held, "patched": len(ours.hp_rewrite.patched),
+        local = [m.hp_expert_parallel.placement.num_local for m in ours.modules() if hasattr(m, "hp_expert_parallel")]
+        out[model_type] = {"held": held, "local": local, "patched": len(ours.hp_rewrite.patched),
                            "eval": step(ref, ours, rank, world, training=False),
                            "train": step(ref, ours, rank, world, training=True)}
     return out
