@@ -142,7 +142,10 @@ def _module_text(functions: list[GeneratedFunction], header: dict) -> str:
         f'(transformers {header["transformers"]}).\n\n'
         f"Model type {header['model_type']}; plan {header['plan_hash'][:12]}; "
         f"config {header['config_hash'][:12]}.\nDo not edit: `hp-rewrite apply` regenerates this file "
-        'whenever an input changes.\n"""\n\n'
+        "whenever an input changes.\n\nReplaced forwards (the classes under the module names transformers "
+        "gives them; a remote-code\nmodel's are in transformers_modules):\n"
+        + "".join(f"    {f.function_name}: {f.cls.__module__}.{f.cls.__qualname__}.forward\n" for f in functions)
+        + '"""\n\n'
     )
     return doc + imports + "from hp_rewrite import runtime as hp\n\n\n" + body
 

@@ -120,9 +120,9 @@ def routed_shape(experts: nn.Module, num_experts: int) -> MLPShape:
     layout = experts_layout(experts)
     if layout is None:
         raise ValueError(f"{type(experts).__name__} is not an experts holder")
-    down, down_t = layout.weight(experts, layout.down), layout.transposed_of(layout.down)  # flat: [E, I, H]
-    hidden = down.shape[2] if down_t else down.shape[1]
-    inter = down.shape[1] if down_t else down.shape[2]
+    down, down_t = layout.expert_shape(experts, layout.down), layout.transposed_of(layout.down)  # flat: [I, H]
+    hidden = down[1] if down_t else down[0]
+    inter = down[0] if down_t else down[1]
     mats = [layout.up, layout.down] + ([layout.gate] if layout.gate else [])
     matmul = sum(_per_expert(experts, layout, n) for n in mats)
     params = sum(_per_expert(experts, layout, n) for n in layout.roles)
@@ -131,10 +131,7 @@ def routed_shape(experts: nn.Module, num_experts: int) -> MLPShape:
 
 def _per_expert(experts: nn.Module, layout, name: str) -> int:
     """Elements of one expert's slice of weight ``name`` (zero experts' extra rows left out)."""
-    if layout.modules:  # one expert module's own parameter
-        return layout.param(experts, f"{layout.held[0]}.{name}").numel()
-    w = layout.weight(experts, name)
-    return w.numel() // w.shape[0]
+    return layout.expert_shape(experts, name).numel()
 
 
 def zero_params(experts: nn.Module) -> int:

@@ -111,8 +111,8 @@ def routing_free(module: nn.Module) -> bool:
 
 
 def _hidden_size(experts: nn.Module, layout: ExpertsLayout) -> int:
-    down = layout.weight(experts, layout.down)
-    return down.shape[2] if layout.transposed_of(layout.down) else down.shape[1]
+    down = layout.expert_shape(experts, layout.down)
+    return down[1] if layout.transposed_of(layout.down) else down[0]
 
 
 def _is_router(module: nn.Module, num_experts: int, hidden: int) -> bool:
@@ -248,7 +248,9 @@ def find_experts_holders(model: nn.Module, any_layout: bool = False) -> list[tup
     experts by structure (:func:`expert_count`: also per-expert module lists and 3-D weights outside
     the contract), holders nested in another one left out."""
     if not any_layout:
-        return [(name, m) for name, m in model.named_modules() if experts_layout(m) is not None]
+        modules = dict(model.named_modules())
+        return [(name, m) for name, m in modules.items() if (layout := experts_layout(m)) is not None
+                and (not layout.modules or _routed_list(modules, name, m, layout))]
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name.startswith(h + ".") for h, _ in found):
@@ -256,6 +258,18 @@ def find_experts_holders(model: nn.Module, any_layout: bool = False) -> list[tup
         if expert_count(module, name):
             found.append((name, module))
     return found
+
+
+def _routed_list(modules: dict[str, nn.Module], name: str, container: nn.Module, layout: ExpertsLayout) -> bool:
+    """Whether a list of MLP modules sits beside a router: a ``Linear`` with weight ``[len, hidden]``
+    elsewhere in its parent (a child, or inside one). A list of dense MLPs (a stack of layers) is no
+    experts holder."""
+    parent = modules.get(name.rpartition(".")[0]) if name else None
+    if parent is None:
+        return False
+    n, hidden = len(layout.expert_keys), _hidden_size(container, layout)
+    inside = {id(m) for m in container.modules()}
+    return any(isinstance(m, nn.Linear) and id(m) not in inside and _is_router(m, n, hidden) for m in parent.modules())
 
 
 def find_blocks(model: nn.Module) -> list[BlockStructure]:

@@ -152,6 +152,12 @@ class ExpertsLayout:
             return torch.stack([self.param(module, f"{k}.{name}") for k in self.held])
         return self.per_expert(self.param(module, name))
 
+    def expert_shape(self, module: nn.Module, name: str) -> torch.Size:
+        """The shape of one expert's part of weight ``name`` (without stacking experts held as modules)."""
+        if self.modules:
+            return self.param(module, f"{self.held[0]}.{name}").shape
+        return self.weight(module, name).shape[1:]
+
     def activation(self, module: nn.Module):
         """The act_fn of the holder, or of the child holding flat weights (DBRX's ``activation_fn``), or
         of the experts held as modules."""

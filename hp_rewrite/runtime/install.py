@@ -117,6 +117,11 @@ def install_expert_parallel(
     _, problem = kernels.compute_for(options.compute, experts_implementation_of(experts))
     if problem is not None:  # here, before anything is sharded; a later set_experts_implementation: at forward
         raise ExpertParallelError(f"{type(experts).__name__}: {problem}")
+    if layout.modules and options.defer_expert_grads:
+        raise ExpertParallelError(
+            f"runtime.defer_expert_grads: {type(experts).__name__} keeps its experts as modules, whose weights the "
+            "grouped GEMMs take stacked (a copy per forward), so their gradients cannot be deferred; set "
+            "runtime.defer_expert_grads: false for this model")
     if layout.modules and len(layout.expert_keys) != num_experts:
         raise ExpertParallelError(f"{type(experts).__name__} holds {len(layout.expert_keys)} expert modules, "
                                   f"expected num_experts={num_experts}")

@@ -1,0 +1,112 @@
+"""Experts held as module lists, found by structure (#23 item 2): the roles of each expert's Linear
+children and its activation are read from the expert's own forward, whatever their names, with or
+without biases; the block is then confirmed by execution. A list of dense MLPs with no router beside
+it is no experts holder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_rewrite.match.archetype import choose_archetype
+from hp_rewrite.match.structure import find_blocks, find_experts_holders
+from hp_rewrite.runtime import ExpertsLayout
+
+H, W, E = 16, 12, 4  # hidden, expert width, experts
+
+
+class GeluGated(nn.Module):  # transformers-style names, the activation an attribute, biases
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(H, W), nn.Linear(H, W)
+        self.down_proj, self.act_fn = nn.Linear(W, H), nn.GELU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class UpFirstTanh(nn.Module):  # unknown names, the up projection defined first, gelu(tanh) inline
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(H, W, bias=False), nn.Linear(H, W, bias=False), nn.Linear(W, H, bias=False)
+
+    def forward(self, x):
+        return self.c(self.a(x) * F.gelu(self.b(x), approximate="tanh"))
+
+
+class PlainRelu(nn.Module):  # a two-layer MLP with biases (Switch / NLLB style)
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(H, W), nn.Linear(W, H)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Routing written inline: softmax top-2, renormalised, as the original Mixtral code."""
+
+    def __init__(self, expert_cls, router: bool = True):
+        super().__init__()
+        self.top_k = 2
+        if router:
+            self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([expert_cls() for _ in range(E)])
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, H)
+        w, idx = torch.topk(torch.softmax(self.gate(x), -1, dtype=torch.float), 2, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out.reshape(shape)
+
+
+class Model(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+
+@pytest.mark.parametrize(("expert_cls", "roles", "act"), [
+    (GeluGated, ("gate_proj", "up_proj", "down_proj"), ("attr", "act_fn")),
+    (UpFirstTanh, ("b", "a", "c"), ("fn", "gelu_tanh")),
+    (PlainRelu, (None, "fc1", "fc2"), ("fn", "relu")),
+])
+def test_roles_read_from_the_expert_and_the_block_confirmed(expert_cls, roles, act) -> None:
+    model = Model(Block(expert_cls))
+    layout = ExpertsLayout.of(model.block.experts)
+    strip = lambda name: name and name.rsplit(".", 1)[0]  # noqa: E731
+    assert (strip(layout.gate), strip(layout.up), strip(layout.down)) == roles and layout.module_act == act
+    assert layout.expert_keys == ("0", "1", "2", "3") and layout.gated == (roles[0] is not None)
+    has_bias = expert_cls is not UpFirstTanh
+    assert bool(layout.up_bias) == bool(layout.down_bias) == has_bias
+    (s,) = find_blocks(model)
+    result = choose_archetype(s, recorded_router=False)
+    assert result.archetype is not None, result.reason
+    assert (result.archetype.level, result.archetype.router) == ("block", "softmax_topk")
+    assert result.archetype.layout.startswith("modules-")
+
+
+def test_a_list_of_dense_mlps_without_a_router_is_not_an_experts_holder() -> None:
+    assert find_experts_holders(Model(Block(GeluGated, router=False))) == []
+
+
+def test_deferred_expert_gradients_are_refused_for_expert_modules() -> None:
+    """runtime.defer_expert_grads cannot defer the gradients of stacked weights: an error, not a no-op."""
+    from hp_rewrite.runtime import (
+        ExpertParallelError,
+        ExpertParallelGroup,
+        RuntimeOptions,
+        install_expert_parallel,
+    )
+
+    block = Block(GeluGated)
+    with pytest.raises(ExpertParallelError, match="defer_expert_grads: ModuleList keeps its experts as modules"):
+        install_expert_parallel(block.experts, num_experts=E, ep=ExpertParallelGroup.single(),
+                                options=RuntimeOptions(defer_expert_grads=True))
