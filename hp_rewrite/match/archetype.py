@@ -472,23 +472,9 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
         asked = f"the plan asks for {', '.join(forced_block)}, which only a block-level archetype honours; " if forced_block else ""
         result.reason = asked + ("; ".join(result.tried) or "no block-level archetype fits")
         return result
-    if s.self_held:
-        result.tried.append(
-            f"experts level: {type(s.block).__name__} holds its experts' weights in its own children and routes "
-            "inside its forward, so only a block-level archetype can drive them")
-        result.reason = "; ".join(result.tried)
-        return result
-    if s.calls_each_expert:
-        result.tried.append(
-            f"experts level: the block calls each of its {type(s.experts).__name__}'s expert modules itself, so "
-            "only a block-level archetype (router, dispatch, experts and combine generated for the block) can "
-            "drive them")
-        result.reason = "; ".join(result.tried)
-        return result
-    if s.routing_free:
-        result.tried.append(
-            f"experts level: {type(s.experts).__name__}.forward takes the hidden rows only (no top_k_index, "
-            "top_k_weights): the block applies the routing itself, so only a block-level archetype can drive it")
+    no_experts_level = _no_experts_level(s)
+    if no_experts_level:
+        result.tried.append(f"experts level: {no_experts_level}, so only a block-level archetype can drive it")
         result.reason = "; ".join(result.tried)
         return result
     whys = []
@@ -506,6 +492,18 @@ def choose_archetype(s: BlockStructure, forced: dict | None = None, recorded_rou
     result.tried.append(why)
     result.reason = "; ".join(result.tried)
     return result
+
+
+def _no_experts_level(s: BlockStructure) -> str | None:
+    """Why the experts holder cannot be driven on its own (the block routes and calls it its own way)."""
+    if s.self_held:
+        return f"{type(s.block).__name__} holds its experts' weights in its own children and routes inside its forward"
+    if s.calls_each_expert:
+        return f"the block calls each of its {type(s.experts).__name__}'s expert modules itself"
+    if s.routing_free:
+        return (f"{type(s.experts).__name__}.forward takes the hidden rows only (no top_k_index, top_k_weights): "
+                "the block applies the routing itself")
+    return None
 
 
 def _experts_candidates(s: BlockStructure) -> list[experts_routed.Params]:
