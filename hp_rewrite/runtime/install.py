@@ -62,7 +62,8 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
     ``[T, K, E]`` (Switch Transformers'); ``eval_scale`` multiplies the output in eval mode."""
     if isinstance(hidden, LocalBatch):
         return local_experts_forward(self, hidden, self.hp_layout)
-    if top_k_index is not None and top_k_index.dim() == 3 and top_k_index.shape[-1] == self.hp_expert_parallel.num_experts:
+    if top_k_index is not None and top_k_index.dim() == 3 and top_k_weights.dim() == 2 and \
+            top_k_index.shape[-1] == self.hp_expert_parallel.num_experts:  # masks [T, K, E], weights [T, K]
         top_k_index, top_k_weights = from_dispatch_masks(top_k_index, top_k_weights)
     state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
     out = experts_and_combine(state, self, via_call=False)
