@@ -16,13 +16,13 @@ from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
-#: training with every dropout at 0 (dropout inside the experts is refused in training), no router
+#: training with every dropout and LayerDrop at 0 (both refused in training), no router
 #: jitter; NLLB's capacity above the batch's tokens (its router caps over the whole batch, so a rank's
 #: share would drop other tokens than the concatenated batch: true of any data-parallel run)
 NO_DROPOUT = {
     "switch_transformers": {"dropout_rate": 0.0, "router_jitter_noise": 0.0},
     "nllb-moe": {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "moe_token_dropout": 0.0,
-                 "expert_capacity": 1000, "moe_eval_capacity_token_fraction": 1.0},
+                 "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0, "expert_capacity": 1000, "moe_eval_capacity_token_fraction": 1.0},
     "jetmoe": {"attention_dropout": 0.0},
 }
 
@@ -82,4 +82,11 @@ def ep2_module_experts(rank: int, world: int, payload: dict) -> dict:
         out[model_type] = {"held": held, "local": local, "patched": len(ours.hp_rewrite.patched),
                            "eval": step(ref, ours, rank, world, training=False),
                            "train": step(ref, ours, rank, world, training=True)}
+        if model_type == "nllb-moe":  # LayerDrop: ranks would skip different layers
+            ours.config.decoder_layerdrop = 0.05
+            try:
+                step(ref, ours, rank, world, training=True)
+                out[model_type]["layerdrop"] = "ran"
+            except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+                out[model_type]["layerdrop"] = str(e)
     return out

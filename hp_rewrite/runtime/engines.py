@@ -74,6 +74,25 @@ def _tensors_in(value, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
+#: the config fields of LayerDrop (fairseq's random skipping of whole layers in training)
+LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def refuse_layerdrop(model: nn.Module) -> None:
+    """LayerDrop in training at EP > 1: each rank draws on its own which layers to skip, and a layer
+    that one rank skips leaves its expert-parallel exchange without that rank's share (a hang, or other
+    rows exchanged). Nothing ties the draws together, so it is refused, not hoped for."""
+    config = getattr(model, "config", None)
+    for field in LAYERDROP_FIELDS:
+        p = getattr(config, field, None)
+        if isinstance(p, (int, float)) and p > 0:
+            raise ExpertParallelError(
+                f"{type(config).__name__}.{field}={p} is active in training: each rank draws the layers it "
+                "skips on its own, and an expert-parallel layer's exchange needs every rank of its EP group. "
+                f"Set {field}=0 (config field, before loading) to train expert-parallel, or train with ep_size: 1"
+            )
+
+
 class EngineGuard:
     """Per rewritten model: the DDP contract for rank-local parameters and the refusals (module doc).
 
@@ -119,6 +138,8 @@ class EngineGuard:
     @torch.compiler.disable
     def _before_forward(self, module: nn.Module, args) -> None:
         self._refuse_sharded_experts()
+        if module.training and self.ep.size > 1:
+            refuse_layerdrop(module)
         ddp = _ddp_class()._get_active_ddp_module()
         if ddp is not None and ddp not in self._checked:  # once per DDP: does it wrap this model?
             wraps = any(m is module for m in ddp.module.modules())
