@@ -6,7 +6,8 @@ Shipped for ``hp-rewrite make-tiny`` and used by the tests and tools. The config
 weights its ``_init_weights`` leaves uninitialised (:func:`fill_uninitialised_experts`), and randomises
 router weights, router biases and selection-bias buffers (:func:`randomise_routers`; transformers
 initialises several to zeros, which makes routing degenerate). ``make_tiny`` writes a real
-checkpoint (``config.json`` + ``model.safetensors``) atomically. ``moe_model_types`` finds, by
+checkpoint (``config.json`` + ``model.safetensors``) atomically, or (``quantize``) one in the MXFP4 or
+block-FP8 layout the Hub ships (:func:`write_quantized`). ``moe_model_types`` finds, by
 structure, every model type of the installed transformers whose tiny model holds experts
 (:func:`hp_rewrite.match.structure.find_experts_holders` with ``any_layout``: the one experts-holder
 detector). Nothing is cached between calls.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import re
 import shutil
@@ -29,9 +31,12 @@ from torch import nn
 from .errors import ModelDirError
 from .hf import auto_class_for, auto_config, config_mapping, instantiate, quiet_transformers, short_error
 from .hf.shrink import TEXT_TOKEN_LIMIT, VOCAB, TinyError, default_config, sub_configs, tiny_config
+from .loading.checkpoint_files import INDEX_FILE, SINGLE_FILE
+from .loading.quantized import MXFP4_GROUP, quantize_fp8, quantize_mxfp4
 from .match.structure import expert_count, find_experts_holders
 
 __all__ = [
+    "QUANTIZE_CHOICES",
     "TEXT_TOKEN_LIMIT",
     "TinyError",
     "TypeSurvey",
@@ -44,7 +49,10 @@ __all__ = [
     "sample_input_ids",
     "survey_model_types",
     "tiny_config",  # from hp_rewrite.hf.shrink, with TinyError and TEXT_TOKEN_LIMIT
+    "write_quantized",
 ]
+
+QUANTIZE_CHOICES = ("mxfp4", "fp8")
 
 _EXPERT_ATTR = re.compile(r"expert", re.IGNORECASE)
 _ROUTER_PARTS = frozenset({"gate", "router", "wg", "classifier", "moe_statics", "router_gate"})
@@ -183,11 +191,16 @@ def make_tiny(
     out_dir: str | os.PathLike,
     seed: int = 0,
     from_config: str | os.PathLike | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """Write a tiny random-weight checkpoint (``save_pretrained``: ``config.json`` +
     ``model.safetensors``) of ``model_type``, or of the config in ``from_config`` (a directory
     with a ``config.json``, or the file itself), shrunk. Written into a temporary directory next to
-    ``out_dir`` and renamed into place; an existing non-empty ``out_dir`` is never overwritten."""
+    ``out_dir`` and renamed into place; an existing non-empty ``out_dir`` is never overwritten.
+    ``quantize`` (``mxfp4`` | ``fp8``): in bf16 and that quantised layout, as the Hub ships it
+    (:func:`write_quantized`)."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise TinyError(f"make_tiny: quantize={quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if (model_type is None) == (from_config is None):
         raise TinyError("make_tiny: give exactly one of model_type and from_config")
     out = Path(out_dir)
@@ -202,7 +215,11 @@ def make_tiny(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         with quiet_transformers():
+            if quantize is not None:
+                as_bf16(model)
             model.save_pretrained(tmp)
+        if quantize is not None:
+            write_quantized(model, tmp, quantize)
         if out.exists():
             out.rmdir()  # empty (checked above); fails if someone filled it meanwhile
         os.rename(tmp, out)
@@ -274,3 +291,83 @@ def moe_model_types() -> list[str]:
     structure in its tiny model). Computed on each call; a type whose tiny model cannot be built is
     not listed (see :func:`survey_model_types` for those)."""
     return sorted(s.model_type for s in survey_model_types() if s.status == "moe")
+
+
+# ----------------------------------------------------------------------------------------------
+# quantised checkpoints in the Hub's layouts (make-tiny --quantize)
+#
+# write_quantized turns a plain checkpoint written by save_pretrained into the layout of the real
+# releases, sharded with an index: mxfp4 (gpt-oss) turns the fused expert tensors into *_blocks /
+# *_scales, attention, router, embeddings and head stay as they are (modules_to_not_convert); fp8
+# (DeepSeek-V3, Kimi-K2, Qwen3-FP8) turns every Linear weight of the decoder (attention, dense and
+# shared MLPs, each routed expert under its own key) into float8_e4m3fn with a weight_scale_inv per
+# block; routers, norms, embeddings and head stay as they are.
+
+TINY_FP8_BLOCK = (8, 8)  # divides every tiny dimension (the Hub's is 128 x 128)
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
+_FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def write_quantized(model: nn.Module, plain_dir: Path, method: str, shards: int = 2) -> None:
+    """Rewrite the plain checkpoint of ``model`` in ``plain_dir`` (``save_pretrained``) in place, quantised
+    with ``method`` into ``shards`` files and an index."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(plain_dir / SINGLE_FILE)
+    config = json.loads((plain_dir / "config.json").read_text())
+    if method == "mxfp4":
+        state, qconfig = _mxfp4(state, config)
+    elif method == "fp8":
+        state, qconfig = _fp8(model, state, config)
+    else:
+        raise TinyError(f"quantize={method!r}: choose one of {', '.join(QUANTIZE_CHOICES)}")
+    (plain_dir / SINGLE_FILE).unlink()
+    keys = sorted(state)
+    per_file = -(-len(keys) // shards)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k].contiguous() for k in keys[i * per_file : (i + 1) * per_file]}
+        save_file(part, plain_dir / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (plain_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config["quantization_config"] = qconfig
+    (plain_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _mxfp4(state: dict, config: dict) -> tuple[dict, dict]:
+    fused = [k for k in state if _FUSED.search(k) and state[k].dim() == 3]
+    if not fused:
+        raise TinyError(f"quantize=mxfp4: {config.get('model_type')} keeps no fused gate_up_proj / down_proj "
+                        "expert tensors; the MXFP4 Hub layout is gpt-oss's (try gpt_oss)")
+    for key in fused:
+        value = state.pop(key).transpose(1, 2)  # in-first [E, in, out] -> out-first [E, out, in]
+        if value.shape[-1] % MXFP4_GROUP:
+            raise TinyError(f"quantize=mxfp4: {key} has {value.shape[-1]} inputs, not a multiple of 32")
+        state[f"{key}_blocks"], state[f"{key}_scales"] = quantize_mxfp4(value)
+    qconfig = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    return state, qconfig
+
+
+def _fp8(model: nn.Module, state: dict, config: dict) -> tuple[dict, dict]:
+    head = model.get_output_embeddings()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    chosen = [k for k in state if state[k].dim() == 2 and (k in linears or _PER_EXPERT.search(k))]
+    if not any(_PER_EXPERT.search(k) for k in chosen):
+        raise TinyError(f"quantize=fp8: {config.get('model_type')} does not save its experts one key per "
+                        "expert; the block-FP8 Hub layout is DeepSeek-V3's (try deepseek_v3 or qwen3_moe)")
+    for key in chosen:
+        state[key], state[f"{key}_scale_inv"] = quantize_fp8(state[key], TINY_FP8_BLOCK)
+    qconfig = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+               "weight_block_size": list(TINY_FP8_BLOCK)}
+    return state, qconfig
+
+
+def as_bf16(model: nn.Module) -> nn.Module:
+    """The model in bf16, as the quantised releases ship their unquantised tensors."""
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    return model

@@ -15,6 +15,7 @@ class MakeTinyArgs:
     out_dir: Path
     from_config: Path | None
     seed: int
+    quantize: str | None = None
 
 
 def register(sub) -> None:
@@ -24,6 +25,9 @@ def register(sub) -> None:
     mt.add_argument("out_dir", nargs="?", type=Path, default=None, help="new directory to write")
     mt.add_argument("--from-config", type=Path, default=None, help="shrink the config.json found in this directory")
     mt.add_argument("--seed", type=int, default=0)
+    mt.add_argument("--quantize", choices=("mxfp4", "fp8"), default=None,
+                    help="write it in bf16 and the quantised layout the Hub ships: mxfp4 (gpt-oss: fused expert "
+                    "blocks and scales) or fp8 (DeepSeek-V3 / Qwen3-FP8: block-FP8 Linear weights, per expert)")
     mt.set_defaults(run=lambda ns: make_tiny(_args(ns)))
 
 
@@ -37,12 +41,14 @@ def _args(ns) -> MakeTinyArgs:
         raise UserError("give a MODEL_TYPE or --from-config DIR (exactly one)")
     if ns.from_config is not None and not (ns.from_config / "config.json").is_file():
         raise UserError(f"--from-config {ns.from_config}: no config.json there")
-    return MakeTinyArgs(model_type, out_dir, ns.from_config, ns.seed)
+    return MakeTinyArgs(model_type, out_dir, ns.from_config, ns.seed, ns.quantize)
 
 
 def make_tiny(args: MakeTinyArgs) -> int:
     from ..tiny import make_tiny as write_tiny
 
-    path = write_tiny(args.model_type, args.out_dir, from_config=args.from_config, seed=args.seed)
-    console.print(f"wrote a tiny random-weight checkpoint to {path}")
+    path = write_tiny(args.model_type, args.out_dir, from_config=args.from_config, seed=args.seed,
+                      quantize=args.quantize)
+    layout = f" ({args.quantize}, as the Hub ships it)" if args.quantize else ""
+    console.print(f"wrote a tiny random-weight checkpoint{layout} to {path}")
     return 0

@@ -31,6 +31,7 @@ __all__ = [
     "config_mapping",
     "core_model_loading",
     "deepspeed_zero3",
+    "dequantizing_config",
     "instantiate",
     "is_config",
     "last_checkpoint",
@@ -46,9 +47,11 @@ __all__ = [
     "save_remote_code",
     "short_error",
     "size_in_bytes",
+    "stored_quantization_config",
     "storage_key",
     "top_k_of",
     "transformers_version",
+    "without_quantizer_transforms",
 ]
 
 
@@ -363,6 +366,43 @@ def model_conversion_mapping(model) -> list:
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return get_model_conversion_mapping(model)
+
+
+def without_quantizer_transforms(model, weight_mapping: list, hf_quantizer) -> list:
+    """``from_pretrained``'s weight mapping (the user's ``key_mapping`` renamings first, then the model's
+    conversions as ``hf_quantizer`` rewrote them to read quantised tensors) with the model's own
+    conversions in place of the quantiser's: for a reader that hands over dequantised tensors."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    quantized = get_model_conversion_mapping(model, None, hf_quantizer)
+    user = list(weight_mapping)[: max(0, len(weight_mapping) - len(quantized))]  # key_mapping's renamings
+    return user + get_model_conversion_mapping(model)
+
+
+def stored_quantization_config(name_or_path, kwargs: dict):
+    """The ``quantization_config`` of the checkpoint ``from_pretrained(name_or_path, **kwargs)`` would
+    load (from ``config=`` when given), or None; a checkpoint transformers cannot resolve is left to it."""
+    from transformers import PretrainedConfig
+
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        return getattr(config, "quantization_config", None)
+    where = {k: kwargs[k] for k in ("cache_dir", "force_download", "proxies", "token", "revision", "subfolder",
+                                    "local_files_only") if k in kwargs}
+    try:
+        with quiet_transformers():
+            config_dict, _ = PretrainedConfig.get_config_dict(name_or_path, **where)
+    except Exception:  # noqa: BLE001 (transformers reports it in the call itself)
+        return None
+    return config_dict.get("quantization_config")
+
+
+def dequantizing_config(method: str):
+    """transformers' quantisation config asking ``from_pretrained`` to dequantise ``method`` checkpoints
+    (only its loading attribute counts: transformers keeps the checkpoint's other fields)."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    return Mxfp4Config(dequantize=True) if method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
 
 
 def original_format(model, tensors: dict) -> dict:

@@ -59,6 +59,7 @@ from .checkpoint_files import (
     natural_key,
     torch_dtype,
 )
+from .quantized import DequantizingReader, checkpoint_format
 from .rank0 import rank0_first
 
 __all__ = ["CHUNK_BYTES", "CheckpointKeyError", "PreparedLoad", "load_expert_parallel", "prepare"]
@@ -447,6 +448,7 @@ class PreparedLoad:
             "expert_bytes": expert_bytes,
             "non_expert_bytes": other_bytes,
             "bytes_read": self.reader.bytes_read,
+            "quantization": getattr(getattr(self.reader, "format", None), "method", None),  # dequantised at load
             "files_read": sorted(self.reader.files_read),
             "paths": self.filler.paths,
             "seconds": time.perf_counter() - self.started,
@@ -463,7 +465,9 @@ def checkpoint_dtype(config, reader: Reader) -> torch.dtype:
     declared = getattr(config, "dtype", None)
     if declared is not None:
         return getattr(torch, declared) if isinstance(declared, str) else declared
-    for info in reader.infos.values():
+    for key, info in reader.infos.items():
+        if key in getattr(reader, "pairs", {}):
+            continue  # dequantised: no dtype of its own in the files
         dtype = torch_dtype(info.dtype)
         if dtype.is_floating_point:
             return dtype
@@ -484,6 +488,10 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
     reader = Reader(model_dir, chunk_bytes)  # headers only: fail early on a directory without weights
     with quiet_transformers():
         config = load_config(model_dir, trust_remote_code)
+    fmt = checkpoint_format(getattr(config, "quantization_config", None), str(model_dir))
+    if fmt is not None:  # dequantised at load, as from_pretrained(..., dequantize=True) gives it
+        reader = DequantizingReader(reader, fmt)
+        del config.quantization_config
     dtype = dtype or checkpoint_dtype(config, reader)
     t0 = time.perf_counter()
     model = meta_model(config, dtype, attn_implementation)

@@ -190,6 +190,10 @@ class AutoPatch:
         patch = self
 
         def from_pretrained(cls, *args, **kwargs):
+            from .pretrained import dequantize_at_load
+
+            name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            kwargs = dequantize_at_load(name, kwargs)
             return load_pretrained(lambda: original_fn(cls, *args, **kwargs), patch.plan, patch.artifact_dir,
                                    patch.mesh)
 
@@ -233,6 +237,9 @@ def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan
                     artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, **kwargs) -> nn.Module:
     """``from_pretrained`` of the class an Auto class picks for the checkpoint (``kwargs`` as transformers
     takes them), returned rewritten: one call, no global patch left behind."""
+    from .pretrained import dequantize_at_load
+
     plan = resolve_plan(plan)
+    kwargs = dequantize_at_load(model_dir, kwargs)
     cls = pretrained_class_for(model_dir, **kwargs)
     return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh)

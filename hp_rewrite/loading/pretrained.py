@@ -25,9 +25,17 @@ from pathlib import Path
 
 import torch
 
-from ..hf import deepspeed_zero3, loading_info, pretrained_model_class
+from ..hf import (
+    deepspeed_zero3,
+    dequantizing_config,
+    loading_info,
+    pretrained_model_class,
+    stored_quantization_config,
+    without_quantizer_transforms,
+)
 from ..runtime import ExpertParallelError, ExpertParallelGroup
 from .checkpoint_files import Reader
+from .quantized import DequantizingReader, QuantizedCheckpointError, checkpoint_format
 
 
 class LocalExpertsLoad:
@@ -51,8 +59,13 @@ class LocalExpertsLoad:
         from .local import prepare_model
 
         reader = Reader(None, files=[Path(f) for f in checkpoint_files])
+        transforms = list(load_config.weight_mapping or [])
+        quantizer = load_config.hf_quantizer
+        if quantizer is not None:  # MXFP4 / block FP8 dequantised (refused otherwise): read as the plain tensors
+            reader = DequantizingReader(reader, dequantized_format(quantizer))
+            transforms = without_quantizer_transforms(model, transforms, quantizer)
         loading = prepare_model(model, reader, self.plan, self.ep, self.artifact_dir, load_config.dtype,
-                                list(load_config.weight_mapping or []), device)
+                                transforms, device)
         loading.fill()
         self.loading = loading
         return loading_info(loading.missing, set(loading.unexpected.values())), None
@@ -84,12 +97,61 @@ def _why_whole_model(state_dict, checkpoint_files, load_config) -> str | None:
         return "from_pretrained(state_dict=...) hands over tensors already in memory"
     if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
         return "the checkpoint is not in safetensors files (only those can be read a rank's experts at a time)"
-    if load_config.hf_quantizer is not None:
-        method = getattr(load_config.hf_quantizer.quantization_config, "quant_method", "quantized")
-        return f"the checkpoint is quantised ({method}): transformers' quantiser reads it"
     if deepspeed_zero3():
         return "DeepSpeed ZeRO-3 is enabled: it loads the weights itself"
     return None
+
+
+def dequantize_at_load(name_or_path, kwargs: dict) -> dict:
+    """``from_pretrained``'s ``kwargs`` for an expert-parallel load: an MXFP4 / block-FP8 checkpoint is
+    dequantised at load (``dequantize=True``, what transformers does on a CPU), so that each rank reads
+    and dequantises its own experts; every other quantisation is refused before anything is read."""
+    passed = kwargs.get("quantization_config")
+    stored = stored_quantization_config(name_or_path, kwargs)
+    if passed is not None:
+        if isinstance(passed, dict):
+            raise QuantizedCheckpointError(
+                "from_pretrained(quantization_config={...}): pass transformers' config object "
+                "(Mxfp4Config(dequantize=True) / FineGrainedFP8Config(dequantize=True)) or none"
+            )
+        fmt = checkpoint_format(passed, "from_pretrained(quantization_config=...)")
+        if stored is not None and not getattr(passed, "dequantize", False):  # refused wherever it runs
+            raise _kept_quantised(fmt, passed)
+        if stored is None:
+            raise QuantizedCheckpointError(
+                f"from_pretrained(quantization_config={type(passed).__name__}(...)) on an unquantised checkpoint "
+                "quantises it at load: the expert-parallel experts run as bf16/fp32 grouped GEMMs; load it "
+                "without a quantization_config"
+            )
+        return kwargs
+    fmt = checkpoint_format(stored, str(name_or_path))
+    if fmt is None:
+        return kwargs
+    return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}
+
+
+def dequantized_format(quantizer):
+    """The format transformers' quantiser reads, when it dequantises a pre-quantised MXFP4 / FP8
+    checkpoint (what hp-rewrite reads by rank); anything else is refused."""
+    qc = quantizer.quantization_config
+    fmt = checkpoint_format(qc, "the quantization_config")
+    if not quantizer.pre_quantized:
+        raise QuantizedCheckpointError(
+            f"from_pretrained(quantization_config={type(qc).__name__}(...)) on an unquantised checkpoint quantises "
+            "it at load: the expert-parallel experts run as bf16/fp32 grouped GEMMs; load it without a "
+            "quantization_config"
+        )
+    if not getattr(qc, "dequantize", False):
+        raise _kept_quantised(fmt, qc)
+    return fmt
+
+
+def _kept_quantised(fmt, qc) -> QuantizedCheckpointError:
+    return QuantizedCheckpointError(
+        f"{fmt.describe()} kept quantised ({type(qc).__name__}(dequantize=False)): the expert-parallel "
+        f"experts run as bf16/fp32 grouped GEMMs; pass {type(qc).__name__}(dequantize=True), or no "
+        "quantization_config (hp-rewrite then dequantises each rank's experts at load)"
+    )
 
 
 def load_rewritten(call: Callable[[], object], plan, ep: ExpertParallelGroup, artifact_dir: Path,

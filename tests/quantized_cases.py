@@ -1,0 +1,149 @@
+"""Quantised checkpoints in the Hub's layouts (MXFP4 gpt-oss, block-FP8 DeepSeek-V3 and Qwen3-MoE)
+loaded expert-parallel on real gloo ranks, against plain transformers' dequantised load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import hp_rewrite
+from hp_rewrite.plan import parse_plan
+from hp_rewrite.tiny import as_bf16, build_tiny_model, tiny_config, write_quantized
+
+#: name -> (model type, format)
+CHECKPOINTS = {"gpt_oss-mxfp4": ("gpt_oss", "mxfp4"), "deepseek_v3-fp8": ("deepseek_v3", "fp8"),
+               "qwen3_moe-fp8": ("qwen3_moe", "fp8")}
+
+
+def make_checkpoint(name: str, out: Path) -> Path:
+    model_type, method = CHECKPOINTS[name]
+    model = as_bf16(build_tiny_model(tiny_config(model_type), seed=0))
+    model.save_pretrained(out)
+    write_quantized(model, out, method, shards=3)
+    return out
+
+
+def plain(model_dir, **kwargs) -> torch.nn.Module:
+    """What plain transformers loads (it dequantises on a CPU), every tensor in fresh storage."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+    for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values():
+        t.data = t.data.clone()
+    return model
+
+
+def file_bytes(model_dir: Path) -> tuple[int, int]:
+    """(every tensor's bytes, the expert tensors' bytes) in the checkpoint's files."""
+    from safetensors import safe_open
+
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    total = experts = 0
+    for key, file in index.items():
+        with safe_open(model_dir / file, framework="pt") as f:
+            s = f.get_slice(key)
+            n = torch.Size(s.get_shape()).numel() * {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()]
+        total += n
+        experts += n if ".experts." in key else 0
+    return total, experts
+
+
+def local_state(model) -> dict[str, torch.Tensor]:
+    """Each expert weight of the EP model as the full tensor's rows it holds (to compare with a full model)."""
+    out = {}
+    for path, m in model.named_modules():
+        binding = getattr(m, "hp_expert_parallel", None)
+        if binding is not None:
+            for name in m.hp_layout.weight_names:
+                out[f"{path}.{name}"] = binding.placement.local_index
+    return out
+
+
+def mismatches(model, full) -> list[str]:
+    """Tensors of the EP model not bit-equal to the full model's (its local rows for expert weights)."""
+    local, want_all, bad = local_state(model), full.state_dict(), []
+    for name, tensor in model.state_dict().items():
+        want = want_all[name]
+        if name in local:
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            want = owner.hp_layout.stored(owner.hp_layout.per_expert(want)[local[name]])
+        if tensor.dtype != want.dtype or tensor.shape != want.shape or not torch.equal(tensor, want):
+            bad.append(name)
+    return bad
+
+
+def step(full, ours, rank: int, world: int) -> dict:
+    """One training forward and backward of this rank's share against the full model on the whole batch."""
+    from hp_rewrite import sync_gradients
+    from hp_rewrite.runtime import expert_weights, local_rows
+
+    for m in (full, ours):
+        m.train()
+        m.zero_grad(set_to_none=True)
+    ids = torch.randint(0, 64, (2 * world, 6), generator=torch.Generator().manual_seed(3))
+    mine = slice(2 * rank, 2 * rank + 2)
+    theirs = full(input_ids=ids, labels=ids)
+    theirs.loss.backward()
+    out = ours(input_ids=ids[mine], labels=ids[mine])
+    out.loss.backward()
+    sync_gradients(ours)  # averaged over the world, as DDP: the full batch's mean
+    weights = expert_weights(ours)
+    grads = dict(full.named_parameters())
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        want = grads[n].grad
+        want = local_rows(*weights[n], want) if n in weights else want
+        worst = max(worst, ((p.grad - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+    logits = ((out.logits - theirs.logits[mine]).abs().max() / theirs.logits[mine].abs().max()).item()
+    return {"logits_rel": logits, "grad_worst": worst}
+
+
+def world_case(rank: int, world: int, payload: dict) -> dict:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+
+    from hp_rewrite.loading.local import load_expert_parallel
+    from hp_rewrite.runtime import build_expert_parallel_group
+
+    torch.set_num_threads(1)
+    art = Path(payload["artifacts"])
+    out = {}
+    for name, model_dir in payload["checkpoints"].items():
+        model_dir = Path(model_dir)
+        full = plain(model_dir)
+        r = out[name] = {}
+        for ep_size in (2, world):
+            plan = parse_plan(f"version: 1\nep_size: {ep_size}\n")
+            if name.startswith("gpt_oss") and ep_size == world:  # transformers' own config, passed by the user
+                with hp_rewrite.auto_patch(plan, artifact_dir=art):
+                    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+            elif name.startswith("deepseek") and ep_size == world:
+                with hp_rewrite.auto_patch(plan, artifact_dir=art):
+                    model = AutoModelForCausalLM.from_pretrained(
+                        model_dir, quantization_config=FineGrainedFP8Config(dequantize=True))
+            else:
+                model = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art)
+            direct, report = load_expert_parallel(model_dir, plan, build_expert_parallel_group(ep_size), art)
+            r[f"ep{ep_size}"] = {
+                "class": type(model).__name__, "dtype": str(model.dtype),
+                "quantization_config": hasattr(model.config, "quantization_config"),
+                "mismatched": mismatches(model, full), "direct_mismatched": mismatches(direct, full),
+                "bytes_read": model.hp_rewrite.load_report["bytes_read"], "direct_bytes_read": report["bytes_read"],
+                "format": report.get("quantization"),
+            }
+        # fp32: the dequantised values exactly, then one training step against the unmodified model
+        plan = parse_plan(f"version: 1\nep_size: {world}\n")
+        ours = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32)
+        r["step"] = step(plain(model_dir, dtype=torch.float32), ours, rank, world)
+        # saving writes the plain dequantised checkpoint, which plain transformers loads back
+        saved = Path(payload["saved"]) / name
+        model.save_pretrained(saved)
+        if rank == 0:
+            config = json.loads((saved / "config.json").read_text())
+            again = plain(saved)
+            r["saved"] = {"quantization_config": "quantization_config" in config,
+                          "mismatched": [k for k, v in full.state_dict().items()
+                                         if not torch.equal(v, again.state_dict()[k])],
+                          "dtype": str(again.dtype)}
+    return out

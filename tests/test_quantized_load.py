@@ -1,0 +1,114 @@
+"""MXFP4 and block-FP8 checkpoints (tiny, in the Hub's exact layouts: index json, three shards,
+per-expert FP8 keys with FP8 attention, fused MXFP4 blocks) load expert-parallel, each rank reading
+and dequantising only its experts: bit-equal to plain transformers' dequantised load at EP=1, 2 and
+4 (bf16, the checkpoints' dtype), the same through ``Mxfp4Config`` / ``FineGrainedFP8Config(dequantize=True)``,
+logits and every gradient of one step within 1e-5 of the unmodified model in fp32, saved as a plain
+checkpoint; everything else refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hp_rewrite
+from hp_rewrite.launch import run_world
+from hp_rewrite.loading.local import load_expert_parallel
+from hp_rewrite.loading.quantized import (
+    QuantizedCheckpointError,
+    checkpoint_format,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    quantize_fp8,
+    quantize_mxfp4,
+)
+from hp_rewrite.plan import DEFAULT_PLAN
+from hp_rewrite.runtime import ExpertParallelGroup
+
+from .quantized_cases import CHECKPOINTS, file_bytes, make_checkpoint, mismatches, plain
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    return {name: make_checkpoint(name, root / name) for name in CHECKPOINTS}
+
+
+def test_codecs_round_trip_and_ragged_fp8_blocks() -> None:
+    w = torch.randn(3, 20, 64)
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (3, 20, 2, 16) and scales.shape == (3, 20, 2) and blocks.dtype == torch.uint8
+    back = dequantize_mxfp4(blocks, scales)
+    group_max = w.unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True)  # E2M1 steps are at most 2 ** scale < max / 3
+    assert back.shape == w.shape and ((back - w).unflatten(-1, (2, 32)).abs() <= group_max / 3).all()
+    # block FP8 whose dims the block does not divide (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in
+    # 128-row blocks): the scale grid rounds up, each value takes its own block's scale
+    m = torch.randn(13, 10)
+    q, s = quantize_fp8(m, (8, 4))
+    assert s.shape == (2, 3)
+    want = torch.stack([torch.stack([q[i, j].float() * s[i // 8, j // 4] for j in range(10)]) for i in range(13)])
+    assert torch.equal(dequantize_fp8(q, s, (8, 4)), want)
+    assert torch.equal(dequantize_fp8(q[9:], s[1:], (8, 4), first_row=9), want[9:])
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_ep1_bit_equal_to_plain_transformers(name, checkpoints, tmp_path) -> None:
+    full = plain(checkpoints[name])
+    model = hp_rewrite.from_pretrained(checkpoints[name], plan=DEFAULT_PLAN, artifact_dir=tmp_path)
+    direct, report = load_expert_parallel(checkpoints[name], DEFAULT_PLAN, ExpertParallelGroup.single(), tmp_path)
+    for m in (model, direct):
+        assert type(m) is type(full) and m.dtype == full.dtype == torch.bfloat16
+        assert not hasattr(m.config, "quantization_config") and not hasattr(full.config, "quantization_config")
+        assert mismatches(m, full) == []
+    assert report["quantization"] == CHECKPOINTS[name][1]
+    assert report["bytes_read"] == model.hp_rewrite.load_report["bytes_read"] == file_bytes(checkpoints[name])[0]
+
+
+def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path) -> None:
+    payload = {"checkpoints": {k: str(v) for k, v in checkpoints.items()}, "artifacts": str(tmp_path / "art"),
+               "saved": str(tmp_path / "saved")}
+    ranks = run_world(4, "tests.quantized_cases:world_case", payload, timeout=600)
+    for name, model_dir in checkpoints.items():
+        total, experts = file_bytes(model_dir)
+        for rank, r in enumerate(ranks):
+            for ep in (2, 4):
+                got = r[name][f"ep{ep}"]
+                assert got["mismatched"] == [] and got["direct_mismatched"] == [], (name, rank, ep, got)
+                assert (got["class"], got["dtype"], got["quantization_config"]) == (
+                    type(plain(model_dir)).__name__, "torch.bfloat16", False)
+                # each rank reads its share of the experts' codes and scales, everything else once
+                share = total - experts + experts // ep
+                assert got["bytes_read"] == got["direct_bytes_read"] == share, (name, rank, ep, got, share)
+            step = r[name]["step"]
+            assert step["logits_rel"] <= TOL and step["grad_worst"] <= TOL, (name, rank, step)
+        saved = ranks[0][name]["saved"]
+        assert saved == {"quantization_config": False, "mismatched": [], "dtype": "torch.bfloat16"}, saved
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ({"quant_method": "gptq", "bits": 4}, "GPTQ"),
+    ({"quant_method": "awq", "bits": 4}, "AWQ"),
+    ({"quant_method": "compressed-tensors"}, "compressed-tensors"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
+])
+def test_other_quantisations_are_refused_by_name(config, named) -> None:
+    with pytest.raises(QuantizedCheckpointError, match=named):
+        checkpoint_format(config)
+
+
+def test_keeping_quantised_and_quantising_at_load_are_refused(checkpoints, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+
+    from hp_rewrite.tiny import make_tiny
+
+    with hp_rewrite.auto_patch(DEFAULT_PLAN, artifact_dir=tmp_path), pytest.raises(
+            QuantizedCheckpointError, match=r"kept quantised \(Mxfp4Config\(dequantize=False\)\)"):
+        AutoModelForCausalLM.from_pretrained(checkpoints["gpt_oss-mxfp4"], quantization_config=Mxfp4Config())
+    bf16 = make_tiny("qwen3_moe", tmp_path / "plain")
+    with pytest.raises(QuantizedCheckpointError, match="on an unquantised checkpoint quantises it at load"):
+        hp_rewrite.from_pretrained(bf16, plan=DEFAULT_PLAN, artifact_dir=tmp_path,
+                                   quantization_config=FineGrainedFP8Config(dequantize=True))
