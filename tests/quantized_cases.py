@@ -63,8 +63,11 @@ def local_state(model) -> dict[str, torch.Tensor]:
 
 def mismatches(model, full) -> list[str]:
     """Tensors of the EP model not bit-equal to the full model's (its local rows for expert weights)."""
+    from torch.distributed.tensor import DTensor
+
     local, want_all, bad = local_state(model), full.state_dict(), []
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # fully_shard: collective
         want = want_all[name]
         if name in local:
             owner = model.get_submodule(name.rsplit(".", 1)[0])
@@ -136,6 +139,14 @@ def world_case(rank: int, world: int, payload: dict) -> dict:
         plan = parse_plan(f"version: 1\nep_size: {world}\n")
         ours = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32)
         r["step"] = step(plain(model_dir, dtype=torch.float32), ours, rank, world)
+        # resume: a distributed checkpoint after an optimizer step, loaded into a fresh load of the checkpoint
+        torch.optim.SGD(ours.parameters(), lr=0.1).step()
+        hp_rewrite.save_checkpoint(ours, None, Path(payload["saved"]) / f"{name}-dcp")
+        fresh = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32)
+        hp_rewrite.load_checkpoint(fresh, None, Path(payload["saved"]) / f"{name}-dcp")
+        r["resume_mismatched"] = [n for n, t in fresh.state_dict().items() if not torch.equal(t, ours.state_dict()[n])]
+        # load_fully_sharded: each rank reads and dequantises its shards only
+        r["sharded_mismatched"] = mismatches(hp_rewrite.load_fully_sharded(model_dir, plan, artifact_dir=art), full)
         # saving writes the plain dequantised checkpoint, which plain transformers loads back
         saved = Path(payload["saved"]) / name
         model.save_pretrained(saved)

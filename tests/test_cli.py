@@ -118,3 +118,43 @@ def test_cached_apply_neither_builds_the_model_nor_probes(tiny_dir: Path, tmp_pa
     assert "current, reused" in capsys.readouterr().out
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["modules"] == b["modules"] and a["generated"] == b["generated"]
+
+
+def test_quantised_checkpoints_from_make_tiny_to_a_verified_run(tmp_path: Path, capsys) -> None:
+    """make-tiny --quantize writes the Hub's layout; describe-moe and apply say how it is read; apply
+    --nproc 2 --verify runs it dequantised on two ranks against plain transformers' load."""
+    ckpt = tmp_path / "gpt_oss-mxfp4"
+    assert main(["make-tiny", "gpt_oss", str(ckpt), "--quantize", "mxfp4"]) == 0
+    config = json.loads((ckpt / "config.json").read_text())
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert config["quantization_config"]["quant_method"] == "mxfp4" and config["dtype"] == "bfloat16"
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in index and len(set(index.values())) == 2
+    capsys.readouterr()
+    assert main(["describe-moe", str(ckpt)]) == 0
+    assert "MXFP4 (E2M1 codes, one scale per 32 values), dequantised at load to bfloat16" in capsys.readouterr().out
+    report = tmp_path / "report.json"
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(ckpt), "--out", str(tmp_path / "gen"), "--nproc", "2",
+                 "--verify", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["checkpoint"].startswith("MXFP4") and data["verify"]["passed"]
+    assert data["verify"]["logits_max_rel"] <= 1e-5 and data["verify"]["grad_max_rel"] <= 1e-5
+    assert main(["make-tiny", "mixtral", str(tmp_path / "no"), "--quantize", "mxfp4"]) == 2
+    assert "the MXFP4 Hub layout is gpt-oss's" in capsys.readouterr().out and not (tmp_path / "no").exists()
+
+
+def test_unsupported_quantisation_is_refused_by_every_command(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    gptq = tmp_path / "gptq"
+    shutil.copytree(tiny_dir, gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (gptq / "config.json").write_text(json.dumps(config))
+    for argv in (["describe-moe", str(gptq)], ["apply", str(PLANS / "auto-ep2.yaml"), str(gptq), "--out",
+                 str(tmp_path / "gen")], ["cost", str(PLANS / "auto-ep2.yaml"), str(gptq), "--seq-len", "8",
+                 "--micro-batch", "1"]):
+        assert main(argv) == 2, argv
+        out = capsys.readouterr().out
+        assert "quantised with GPTQ" in out and "dequantize it once with plain transformers" in out, out
+        assert "Traceback" not in out
+    assert not (tmp_path / "gen").exists()

@@ -3,7 +3,8 @@ per-expert FP8 keys with FP8 attention, fused MXFP4 blocks) load expert-parallel
 and dequantising only its experts: bit-equal to plain transformers' dequantised load at EP=1, 2 and
 4 (bf16, the checkpoints' dtype), the same through ``Mxfp4Config`` / ``FineGrainedFP8Config(dequantize=True)``,
 logits and every gradient of one step within 1e-5 of the unmodified model in fp32, saved as a plain
-checkpoint; everything else refused by name."""
+checkpoint, resumed from a distributed checkpoint, and read straight into FSDP2 shards
+(``load_fully_sharded``); everything else refused by name."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
                 assert got["bytes_read"] == got["direct_bytes_read"] == share, (name, rank, ep, got, share)
             step = r[name]["step"]
             assert step["logits_rel"] <= TOL and step["grad_worst"] <= TOL, (name, rank, step)
+            assert r[name]["resume_mismatched"] == [] and r[name]["sharded_mismatched"] == [], (name, rank, r[name])
         saved = ranks[0][name]["saved"]
         assert saved == {"quantization_config": False, "mismatched": [], "dtype": "torch.bfloat16"}, saved
 
@@ -112,3 +114,22 @@ def test_keeping_quantised_and_quantising_at_load_are_refused(checkpoints, tmp_p
     with pytest.raises(QuantizedCheckpointError, match="on an unquantised checkpoint quantises it at load"):
         hp_rewrite.from_pretrained(bf16, plan=DEFAULT_PLAN, artifact_dir=tmp_path,
                                    quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_cost_counts_the_stored_bytes_each_rank_reads(name, checkpoints, capsys) -> None:
+    """`cost` counts, from the shapes alone, exactly the bytes of the files each rank reads at load."""
+    import json
+
+    from hp_rewrite.cli import main
+
+    plans = Path(__file__).resolve().parent.parent / "plans"
+    total, experts = file_bytes(checkpoints[name])
+    for ep in (2, 4):
+        capsys.readouterr()
+        assert main(["cost", str(plans / "auto-ep2.yaml"), str(checkpoints[name]), "--seq-len", "8",
+                     "--micro-batch", "1", "--ep", str(ep), "--json"]) == 0
+        load = json.loads(capsys.readouterr().out)["load"]
+        assert (load["format"], load["dequantized_to"]) == (CHECKPOINTS[name][1], "bfloat16")
+        assert (load["total_bytes"], load["expert_bytes"]) == (total, experts)
+        assert load["per_rank_bytes"] == total - experts + experts // ep

@@ -43,18 +43,22 @@ def register(sub) -> None:
 def apply(args: ApplyArgs) -> int:
     from ..apply import check_world, generate_artifact, output_dir, run_on_ranks, write_json_atomic
     from ..hf import load_config
+    from ..loading.quantized import load_note
     from ..plan import load_plan
 
     t0 = time.perf_counter()
     plan = load_plan(args.plan)
     config = load_config(args.model_dir, args.trust_remote_code)
+    checkpoint = load_note(config, str(args.model_dir))  # a quantisation the loaders cannot read: refused here
     out_dir = output_dir(plan, args.out)
     check_world(plan, args.nproc)
     gen = generate_artifact(plan, config, args.model_dir, out_dir)
     timings = {"generate_s": time.perf_counter() - t0}
     print_modules(gen.modules, gen.unmatched, gen.excluded, gen.artifact, cached=gen.cached)
+    if checkpoint:
+        console.print(f"checkpoint: {checkpoint}", highlight=False)
     result = {"modules": gen.modules, "unmatched": gen.unmatched, "generated": gen.artifact.files,
-              "timings": timings}
+              "timings": timings, "checkpoint": checkpoint}
     code = 0
     if args.nproc:
         run = run_on_ranks(plan, args.model_dir, out_dir, args.nproc, args.verify, args.timeout,

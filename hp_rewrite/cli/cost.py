@@ -132,6 +132,10 @@ def cost(args: CostArgs, request) -> int:
             highlight=False,
         )
     console.print(f"archetypes: {', '.join(confirmed)}" + "".join(f"; {n}" for n in spec.notes))
+    load = report.load
+    what = f"{load.format} checkpoint, dequantised to {load.dequantized_to}" if load.dequantized_to else load.format
+    console.print(f"load: each rank reads {load.per_rank / 1e9:.3g} GB of the {load.total / 1e9:.3g} GB checkpoint "
+                  f"({what}; experts {load.expert_bytes / 1e9:.3g} GB over ep {load.ep})", highlight=False)
     for line in memory_lines(result, hw, report.reserve_bytes) + [time_line(report.time, hw)]:
         console.print(line, highlight=False)
     if report.candidates:

@@ -48,6 +48,7 @@ def describe_moe(args: DescribeArgs) -> int:
     """Exit 0 with a report (also when there is no MoE); ModelDirError for an unusable directory."""
     from ..errors import ModelDirError
     from ..hf import build_meta_model, load_config, quiet_transformers
+    from ..loading.quantized import load_note
     from ..match.diagnosis import diagnose
 
     with quiet_transformers():
@@ -56,7 +57,8 @@ def describe_moe(args: DescribeArgs) -> int:
             model, note = build_meta_model(config)
         except ModelDirError as e:
             raise ModelDirError(f"{args.model_dir}/config.json: {e}") from e
-    diagnosis = diagnose(model, config).with_note(note)
+    checkpoint = load_note(config, str(args.model_dir))  # refuses what cannot be loaded
+    diagnosis = diagnose(model, config).with_note(note).with_checkpoint(checkpoint)
     if args.json:  # the document round-trips through Diagnosis records: the kernel line is console-only
         print(json.dumps(diagnosis.to_json(), indent=2))
     else:
@@ -116,6 +118,8 @@ def print_report(report: Diagnosis | dict) -> None:
     d = report if isinstance(report, Diagnosis) else Diagnosis.from_json(report)
     if d.note:
         console.print(f"[yellow]note:[/] {esc(d.note)}", highlight=False)
+    if d.checkpoint:
+        console.print(f"checkpoint: {esc(d.checkpoint)}", highlight=False)
     if d.message:
         console.print(f"[bold]{d.model_type}[/]: {esc(d.message)}", highlight=False)
         return

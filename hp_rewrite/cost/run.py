@@ -49,6 +49,7 @@ class CostReport:
     hardware: object  # hardware.Hardware
     candidates: list  # ranking.Candidate, with --suggest
     reserve_bytes: float
+    load: object = None  # load.LoadBytes: what each rank reads from the checkpoint
 
     def as_json(self) -> dict:
         spec, st = self.spec, self.time
@@ -67,6 +68,7 @@ class CostReport:
             "time": {"total_s": st.total, "compute_s": st.compute, "comm_s": st.comm,
                      "exposed_comm_s": st.exposed_comm},
             "suggest": [_candidate_json(c) for c in self.candidates],
+            "load": self.load.as_dict() if self.load is not None else None,
         }
 
 
@@ -114,8 +116,13 @@ def estimate_cost(req: CostRequest) -> CostReport:
     if not req.seq_len or not req.micro_batch or req.seq_len < 1 or req.micro_batch < 1:
         raise UserError("cost needs --seq-len S and --micro-batch B (positive integers)")
     plan = load_plan(req.plan)
+    from ..loading.quantized import checkpoint_format
+    from .load import load_bytes
+
     config = load_config(req.model_dir, req.trust_remote_code)
-    spec = model_spec(meta_model(config), config, plan)
+    checkpoint_format(getattr(config, "quantization_config", None), str(req.model_dir))  # readable, or refused
+    model = meta_model(config)
+    spec = model_spec(model, config, plan)
     if not spec.layers:
         raise UserError(
             f"{req.model_dir}: no MoE layer selected by the plan (found none, or all excluded/unmatched)"
@@ -147,7 +154,7 @@ def estimate_cost(req: CostRequest) -> CostReport:
         cands = suggest(spec, req.world_size, work, hw, par, prec, knobs, hist, reserve, req.non_expert)
         if not cands:
             raise UserError(f"no ep divides both the world size {req.world_size} and the experts")
-    return CostReport(spec, result, step_time(result, hw), hw, cands, reserve)
+    return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep))
 
 
 def read_token_file(path: Path) -> list[list[int]]:

@@ -322,12 +322,18 @@ def build_meta_model(config):
 
 def pretrained_model(name_or_path, config=None, **kwargs):
     """``from_pretrained`` of :func:`auto_class_for`'s class (eager attention unless ``kwargs`` says
-    otherwise); ``config`` is read from ``name_or_path`` when not given."""
+    otherwise; an MXFP4 / block-FP8 checkpoint dequantised); ``config`` is read from ``name_or_path``
+    when not given."""
     config = config if config is not None else auto_config(
         name_or_path, **({"trust_remote_code": True} if kwargs.get("trust_remote_code") else {}))
     kwargs.setdefault("attn_implementation", "eager")
     if is_remote_config(config):
         kwargs["trust_remote_code"] = True
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method in ("mxfp4", "fp8"):  # dequantised wherever it runs (what transformers does on a CPU)
+        kwargs.setdefault("quantization_config", dequantizing_config(method))
     return auto_class_for(config).from_pretrained(name_or_path, **kwargs)
 
 

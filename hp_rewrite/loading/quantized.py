@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_format",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "load_note",
     "quantize_fp8",
     "quantize_mxfp4",
 ]
@@ -95,6 +96,22 @@ def checkpoint_format(config, where: str = "the checkpoint") -> QuantFormat | No
         f"{where} is quantised with {name} (quantization_config.quant_method={method!r}): the expert-parallel "
         f"loader reads bf16/fp32, MXFP4 and block-FP8 checkpoints only; {_FIX}"
     )
+
+
+def load_note(config, where: str = "the checkpoint") -> str | None:
+    """How the expert-parallel loaders read ``config``'s checkpoint, for ``describe-moe`` / ``apply``
+    (None for a plain one); refuses a quantisation they cannot read."""
+    fmt = checkpoint_format(getattr(config, "quantization_config", None), where)
+    if fmt is None:
+        return None
+    return (f"{fmt.describe()}, dequantised at load to {stored_dtype(config)} (transformers' dequantize=True; "
+            "pass dtype= for another): each rank reads and dequantises only its own experts' codes and scales")
+
+
+def stored_dtype(config) -> str:
+    """The dtype ``from_pretrained`` gives a checkpoint by default (its config's), as a name."""
+    dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None) or torch.float32
+    return str(dtype).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class Diagnosis:
     groups: tuple[BlockGroup, ...]  # the MoE blocks hp-rewrite can rewrite (or matched but unfit)
     misfits: tuple[Misfit, ...]  # MoE-like modules left untouched (``non_contract``)
     notes: tuple[str, ...] = ()  # how the diagnosis was obtained (shrunk copy, model built directly)
+    checkpoint: str | None = None  # how a quantised checkpoint is read (MXFP4 / block FP8, dequantised to what)
 
     @property
     def note(self) -> str | None:
@@ -184,6 +185,9 @@ class Diagnosis:
     def with_note(self, note: str | None) -> Diagnosis:
         return replace(self, notes=(*self.notes, note)) if note else self
 
+    def with_checkpoint(self, checkpoint: str | None) -> Diagnosis:
+        return replace(self, checkpoint=checkpoint)
+
     def to_json(self) -> dict:
         """The ``describe-moe --json`` document."""
         doc = {
@@ -194,6 +198,8 @@ class Diagnosis:
         }
         if self.note:
             doc["note"] = self.note
+        if self.checkpoint:
+            doc["checkpoint"] = self.checkpoint
         if self.message:
             doc["message"] = self.message
         return doc
@@ -203,7 +209,7 @@ class Diagnosis:
         """The records of a ``describe-moe --json`` document (archetype constants are not in it)."""
         return cls(doc["model_type"], doc["model_class"], tuple(BlockGroup.from_dict(g) for g in doc["groups"]),
                    tuple(Misfit.from_dict(f) for f in doc["non_contract"]),
-                   (doc["note"],) if doc.get("note") else ())
+                   (doc["note"],) if doc.get("note") else (), doc.get("checkpoint"))
 
 
 # -- matching ----------------------------------------------------------------------------------------
