@@ -16,6 +16,11 @@
 3. Prints and writes (``--json``) per rank: peak - baseline for the whole call and for each phase,
    against the bound ``1.15 * (non-expert bytes + all expert bytes / ep)``.
 
+``--quantize fp8`` writes the Qwen3-MoE checkpoint as the Qwen3-FP8 releases ship (bf16, every Linear
+weight float8_e4m3fn with a ``weight_scale_inv`` per 128x128 block, experts per expert);
+``--quantize mxfp4`` a gpt-oss one as gpt-oss ships (MXFP4 expert blocks and scales). Codes are
+random (any byte is valid). The bound is then on the rank's final, dequantised (bf16) bytes.
+
     python tools/measure_load_memory.py --out /tmp/hp-load-mem --json bench-results/load_memory.json
 """
 
@@ -56,8 +61,48 @@ def qwen3_moe_config(hidden: int, layers: int, experts: int, moe_intermediate: i
     )
 
 
-def write_checkpoint(config, out: Path, seed: int = 0) -> dict:
-    """A random fp32 checkpoint of ``config``, one shard per decoder layer (+ one for the rest)."""
+def gpt_oss_config(hidden: int, layers: int, experts: int, moe_intermediate: int, vocab: int):
+    from transformers import GptOssConfig
+
+    heads = max(1, hidden // 64)
+    return GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=moe_intermediate,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                        head_dim=64, num_local_experts=experts, num_experts_per_tok=4, max_position_embeddings=4096,
+                        tie_word_embeddings=False)
+
+
+FP8_BLOCK = (128, 128)  # the Hub's weight_block_size
+
+
+def quantize_state(model, state: dict, method: str, gen) -> dict:
+    """The tensors of one shard in the Hub's quantised layout, with random codes (any byte is valid):
+    fp8, every 2-D Linear / per-expert weight as float8_e4m3fn + a weight_scale_inv per 128x128 block;
+    mxfp4, the fused expert tensors as ``*_blocks`` / ``*_scales`` (scales near 2^-7)."""
+    import math
+
+    import torch
+    from torch import nn
+
+    head = model.get_output_embeddings()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    out = {}
+    for key, value in state.items():
+        if method == "fp8" and value.dim() == 2 and (key in linears or ".experts." in key):
+            out[key] = value.to(torch.float8_e4m3fn)  # N(0, 1): well inside e4m3's range
+            grid = [math.ceil(n / b) for n, b in zip(value.shape, FP8_BLOCK, strict=True)]
+            out[f"{key}_scale_inv"] = torch.rand(grid, generator=gen).mul_(0.02).add_(0.01)
+        elif method == "mxfp4" and value.dim() == 3 and key.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj"):
+            e, n_in, n_out = value.shape  # in-first: the blocks are out-first
+            out[f"{key}_blocks"] = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8, generator=gen)
+            out[f"{key}_scales"] = torch.randint(118, 124, (e, n_out, n_in // 32), dtype=torch.uint8, generator=gen)
+        else:
+            out[key] = value.to(torch.bfloat16)
+    return out
+
+
+def write_checkpoint(config, out: Path, seed: int = 0, quantize: str | None = None) -> dict:
+    """A random fp32 checkpoint of ``config`` (bf16 and ``quantize``d as the Hub ships it, with
+    ``quantize``), one shard per decoder layer (+ one for the rest)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -84,6 +129,8 @@ def write_checkpoint(config, out: Path, seed: int = 0) -> dict:
             else:
                 state[name] = torch.randn(shape, generator=gen).mul_(0.02)
         state = revert_weight_conversion(model, state)  # in-memory names -> the names save_pretrained writes
+        if quantize is not None:
+            state = quantize_state(model, state, quantize, gen)
         file = f"model-{n + 1:05d}-of-{len(names):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in state.items()}, out / file, metadata={"format": "pt"})
         for k, v in state.items():
@@ -94,6 +141,12 @@ def write_checkpoint(config, out: Path, seed: int = 0) -> dict:
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
     )
+    if quantize is not None:
+        config.dtype = torch.bfloat16
+        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]} \
+            if quantize == "mxfp4" else {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(FP8_BLOCK)}
     config.save_pretrained(out)
     return {"bytes": total, "files": len(names)}
 
@@ -105,10 +158,11 @@ def checkpoint_sizes(model_dir: Path) -> tuple[int, int]:
     from safetensors import safe_open
 
     experts = other = 0
+    size = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(f, framework="pt") as h:
             for k in h.keys():
-                n = math.prod(h.get_slice(k).get_shape()) * 4
+                n = math.prod(h.get_slice(k).get_shape()) * size[h.get_slice(k).get_dtype()]
                 if ".mlp.experts." in k:
                     experts += n
                 else:
@@ -248,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-intermediate", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--ep", type=int, default=4)
+    p.add_argument("--quantize", choices=("mxfp4", "fp8"), default=None,
+                   help="write the checkpoint in bf16 and this Hub layout (fp8: Qwen3-MoE with block-FP8 Linear "
+                   "weights; mxfp4: gpt-oss with MXFP4 experts): each rank dequantises its share at load")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: --ep)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (reused when its config matches)")
@@ -268,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     from hp_rewrite.launch import run_world
     from hp_rewrite.tiny import make_tiny
 
-    config = qwen3_moe_config(args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab)
+    build = gpt_oss_config if args.quantize == "mxfp4" else qwen3_moe_config
+    config = build(args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab)
     tag = f"h{args.hidden}-l{args.layers}-e{args.experts}-i{args.moe_intermediate}-v{args.vocab}"
-    model_dir = args.out / f"qwen3_moe-{tag}"
+    model_dir = args.out / (f"{config.model_type}-{tag}" + (f"-{args.quantize}" if args.quantize else ""))
     t0 = time.perf_counter()
     if not (model_dir / "model.safetensors.index.json").is_file():
         shutil.rmtree(model_dir, ignore_errors=True)
-        written = write_checkpoint(config, model_dir)
+        written = write_checkpoint(config, model_dir, quantize=args.quantize)
         print(
             f"wrote {model_dir}: {written['bytes'] / 1e9:.2f} GB in {written['files']} files "
             f"({time.perf_counter() - t0:.0f} s)"
@@ -345,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"hidden": args.hidden, "layers": args.layers, "experts": args.experts,
                    "moe_intermediate": args.moe_intermediate, "vocab": args.vocab},
         "checkpoint_bytes": expert_bytes + other_bytes, "expert_bytes": expert_bytes, "other_bytes": other_bytes,
-        "ep": args.ep, "ranks": rows, "slack": SLACK,
+        "ep": args.ep, "ranks": rows, "slack": SLACK, "quantize": args.quantize,
         "weights_within_bound": all(r["weights_peak"] <= r["bound"] for r in rows),
         "call_within_bound": all(r["call_peak"] <= r["bound"] for r in rows),
     }  # fmt: skip

@@ -11,8 +11,12 @@ resolved, only this rank's experts among them, with transformers' own renamings 
 of ``from_pretrained`` (missing weights initialised, ties, the report logged, generation config,
 ``output_loading_info``) runs unchanged.
 
-Where only-local reading cannot apply (a ``state_dict``, ``.bin`` or quantised checkpoints, DeepSpeed
-ZeRO-3), transformers reads the whole model, a warning says why, and the experts are sharded after.
+An MXFP4 or block-FP8 checkpoint is read the same way, dequantised by rank
+(:mod:`hp_rewrite.loading.quantized`): :func:`dequantize_at_load` asks transformers for
+``dequantize=True`` before the call, and the quantiser's conversions give way to the model's own
+over a reader that hands over dequantised tensors. Any other quantisation is refused.
+Where only-local reading cannot apply (a ``state_dict``, ``.bin`` checkpoints, DeepSpeed ZeRO-3),
+transformers reads the whole model, a warning says why, and the experts are sharded after.
 Options that would place one rank's experts elsewhere (a ``device_map`` over several devices, a
 transformers ``tp_plan`` / ``distributed_config``) are refused by name.
 """

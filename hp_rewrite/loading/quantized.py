@@ -120,31 +120,40 @@ def stored_dtype(config) -> str:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[..., G, 16]`` uint8 codes and ``[..., G]`` uint8 exponents -> ``[..., G * 32]`` fp32 values,
-    ``fp4 * 2 ** (scale - 127)`` (exact in fp32: rounding to the parameter dtype comes after)."""
+    ``fp4 * 2 ** (scale - 127)`` (exact in fp32: rounding to the parameter dtype comes after). Built in
+    place in the output: the temporaries are int32 indices and one half of it."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    values = torch.ldexp(codes.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.flatten(-2)
+    out = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=torch.float32)
+    out[..., 0::2] = lut[(blocks & 0x0F).int()]
+    out[..., 1::2] = lut[(blocks >> 4).int()]
+    torch.ldexp(out, (scales.to(torch.int32) - 127).unsqueeze(-1), out=out)
+    return out.flatten(-2)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                    first_row: int = 0) -> torch.Tensor:
     """FP8 rows ``[r, c]`` (rows ``first_row...`` of the weight) times their blocks' ``scale_inv``
-    (the rows of the scale grid that cover them, ``[R, C]``) in fp32."""
-    rows = (torch.arange(first_row, first_row + weight.shape[0]) // block[0]) - first_row // block[0]
-    cols = torch.arange(weight.shape[1]) // block[1]
-    return weight.to(torch.float32) * scale_inv.to(torch.float32)[rows][:, cols]
+    (the rows of the scale grid that cover them, ``[R, C]``) in fp32, in place in the fp32 copy."""
+    out = weight.to(torch.float32)
+    per_column = scale_inv.to(torch.float32).repeat_interleave(block[1], dim=1)[:, : weight.shape[1]]
+    top = first_row // block[0] * block[0] - first_row  # where the first scale row starts (<= 0)
+    for i in range(per_column.shape[0]):
+        a, b = max(0, top + i * block[0]), min(weight.shape[0], top + (i + 1) * block[0])
+        if a < b:
+            out[a:b].mul_(per_column[i])
+    return out
 
 
 def quantize_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., N]`` floats (N a multiple of 32) -> ``(blocks [..., N/32, 16], scales [..., N/32])``:
     per 32 values the smallest power of two that fits them in E2M1, each value its nearest code."""
-    x = values.to(torch.float32).unflatten(-1, (-1, MXFP4_GROUP))
+    x = values.to(torch.float32).contiguous().unflatten(-1, (-1, MXFP4_GROUP))
     amax = x.abs().amax(-1).clamp_min(2.0**-126)
     exponent = (torch.ceil(torch.log2(amax / 6.0))).clamp(-127, 127).to(torch.int32)
     scaled = torch.ldexp(x, -exponent.unsqueeze(-1))
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)
+    magnitudes = torch.tensor(FP4_VALUES[:8], dtype=torch.float32)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2  # nearest magnitude: the interval between midpoints
+    codes = (torch.bucketize(scaled.abs(), midpoints) + 8 * (scaled < 0)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exponent + 127).to(torch.uint8)
 
@@ -182,6 +191,9 @@ class DequantizingReader(Reader):
     def __init__(self, reader: Reader, fmt: QuantFormat) -> None:
         self.__dict__.update(reader.__dict__)
         self.format = fmt
+        # the fp32 values of one chunk: a quarter of the largest read, so that the temporaries of a
+        # chunk (codes, fp32 values, indices) stay a few MiB and the heap does not grow by them
+        self.dequant_bytes = max(1, self.chunk_bytes // 4)
         self.raw: dict[str, TensorInfo] = dict(reader.infos)
         self.pairs: dict[str, _Pair] = {}
         infos = dict(reader.infos)
@@ -226,10 +238,6 @@ class DequantizingReader(Reader):
             experts, out, groups, _ = b.shape
             infos[base] = TensorInfo(b.file, (experts, groups * MXFP4_GROUP, out), "F32")
             self.pairs[base] = _Pair(key, f"{base}_scales")
-        stray = sorted(k for k in infos if k.endswith("_scales") and f"{k.removesuffix('_scales')}_blocks" in self.raw
-                       and k.removesuffix("_scales") not in self.pairs)
-        if stray:
-            raise QuantizedCheckpointError(f"{stray[0]} has no _blocks tensor beside it")
 
     def copy_into(self, key: str, out: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         pair = self.pairs.get(key)
@@ -251,7 +259,7 @@ class DequantizingReader(Reader):
     def _copy_fp8(self, pair: _Pair, out: torch.Tensor, start: int, stop: int) -> None:
         cols = self.raw[pair.codes].shape[1]
         block = self.format.block[0]
-        step = max(1, self.chunk_bytes // (cols * 4) // block) * block  # whole scale rows a chunk
+        step = max(1, self.dequant_bytes // (cols * 4) // block) * block  # whole scale rows a chunk
         a = start
         while a < stop:
             b = min(stop, a // block * block + step)
@@ -262,7 +270,7 @@ class DequantizingReader(Reader):
 
     def _copy_mxfp4(self, pair: _Pair, out: torch.Tensor, start: int, stop: int) -> None:
         _, rows, groups, _ = self.raw[pair.codes].shape
-        step = max(1, self.chunk_bytes // (groups * MXFP4_GROUP * 4))  # output rows (of one expert) a chunk
+        step = max(1, self.dequant_bytes // (groups * MXFP4_GROUP * 4))  # output rows (of one expert) a chunk
         for e in range(start, stop):
             for a in range(0, rows, step):
                 b = min(rows, a + step)
