@@ -133,3 +133,34 @@ def test_cost_counts_the_stored_bytes_each_rank_reads(name, checkpoints, capsys)
         assert (load["format"], load["dequantized_to"]) == (CHECKPOINTS[name][1], "bfloat16")
         assert (load["total_bytes"], load["expert_bytes"]) == (total, experts)
         assert load["per_rank_bytes"] == total - experts + experts // ep
+
+
+def test_key_mapping_and_a_refused_checkpoint_through_from_pretrained(checkpoints, tmp_path) -> None:
+    """The user's key_mapping still applies once the quantiser's conversions give way to the model's;
+    a bitsandbytes checkpoint is refused before transformers (or bitsandbytes) sees it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(checkpoints["deepseek_v3-fp8"], renamed)
+    index_file = renamed / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    file = index["weight_map"].pop("model.norm.weight")
+    tensors = load_file(renamed / file)
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, renamed / file, metadata={"format": "pt"})
+    index["weight_map"]["model.final_norm.weight"] = file
+    index_file.write_text(json.dumps(index))
+    mapping = {r"model\.final_norm": "model.norm"}
+    model = hp_rewrite.from_pretrained(renamed, plan=DEFAULT_PLAN, artifact_dir=tmp_path / "art", key_mapping=mapping)
+    assert mismatches(model, plain(renamed, key_mapping=mapping)) == []
+
+    bnb = tmp_path / "bnb"
+    shutil.copytree(checkpoints["qwen3_moe-fp8"], bnb)
+    config = json.loads((bnb / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (bnb / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizedCheckpointError, match="quantised with bitsandbytes"):
+        hp_rewrite.from_pretrained(bnb, plan=DEFAULT_PLAN, artifact_dir=tmp_path / "art")
