@@ -53,6 +53,10 @@ def test_codecs_round_trip_and_ragged_fp8_blocks() -> None:
     want = torch.stack([torch.stack([q[i, j].float() * s[i // 8, j // 4] for j in range(10)]) for i in range(13)])
     assert torch.equal(dequantize_fp8(q, s, (8, 4)), want)
     assert torch.equal(dequantize_fp8(q[9:], s[1:], (8, 4), first_row=9), want[9:])
+    exponents = torch.tensor([[120, 127, 130], [0, 255, 127]], dtype=torch.uint8)  # UE8M0 scales (MXFP8)
+    powers = torch.exp2(exponents.float() - 127)
+    assert torch.equal(dequantize_fp8(q, exponents, (8, 4)),
+                       dequantize_fp8(q, powers, (8, 4)))
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))

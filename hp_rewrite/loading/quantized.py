@@ -133,9 +133,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                    first_row: int = 0) -> torch.Tensor:
     """FP8 rows ``[r, c]`` (rows ``first_row...`` of the weight) times their blocks' ``scale_inv``
-    (the rows of the scale grid that cover them, ``[R, C]``) in fp32, in place in the fp32 copy."""
+    (the rows of the scale grid that cover them, ``[R, C]``) in fp32, in place in the fp32 copy. Scales
+    stored as uint8 are UE8M0 exponents (``2 ** (byte - 127)``, MXFP8 checkpoints), as transformers reads them."""
     out = weight.to(torch.float32)
-    per_column = scale_inv.to(torch.float32).repeat_interleave(block[1], dim=1)[:, : weight.shape[1]]
+    scales = scale_inv.to(torch.float32)
+    if scale_inv.dtype == torch.uint8:
+        scales = (scales - 127.0).exp2()
+    per_column = scales.repeat_interleave(block[1], dim=1)[:, : weight.shape[1]]
     top = first_row // block[0] * block[0] - first_row  # where the first scale row starts (<= 0)
     for i in range(per_column.shape[0]):
         a, b = max(0, top + i * block[0]), min(weight.shape[0], top + (i + 1) * block[0])
