@@ -168,3 +168,24 @@ def test_key_mapping_and_a_refused_checkpoint_through_from_pretrained(checkpoint
     (bnb / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuantizedCheckpointError, match="quantised with bitsandbytes"):
         hp_rewrite.from_pretrained(bnb, plan=DEFAULT_PLAN, artifact_dir=tmp_path / "art")
+
+
+def test_remote_code_fp8_checkpoint_with_module_list_experts(tmp_path) -> None:
+    """A trust_remote_code model (experts an nn.ModuleList of Linear MLPs, as Kimi-K2's own code holds
+    them) in block FP8: each expert module's weights bit-equal to plain transformers' dequantised load."""
+    import transformers
+
+    from hp_rewrite.tiny import as_bf16, write_quantized
+
+    from .remote_code import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "remote", router="softmax", seed=0)
+    model = as_bf16(transformers.AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True))
+    model.save_pretrained(tmp_path / "fp8")
+    write_quantized(model, tmp_path / "fp8", "fp8")
+    full = plain(tmp_path / "fp8", trust_remote_code=True)
+    ours = hp_rewrite.from_pretrained(tmp_path / "fp8", plan=DEFAULT_PLAN, artifact_dir=tmp_path / "art",
+                                      trust_remote_code=True)
+    assert ours.hp_rewrite.patched and ours.hp_rewrite.load_report["quantization"] == "fp8"
+    theirs = full.state_dict()
+    assert [k for k, v in ours.state_dict().items() if v.dtype != theirs[k].dtype or not torch.equal(v, theirs[k])] == []
