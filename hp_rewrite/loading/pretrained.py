@@ -118,15 +118,11 @@ def dequantize_at_load(name_or_path, kwargs: dict) -> dict:
                 "from_pretrained(quantization_config={...}): pass transformers' config object "
                 "(Mxfp4Config(dequantize=True) / FineGrainedFP8Config(dequantize=True)) or none"
             )
-        fmt = checkpoint_format(passed, "from_pretrained(quantization_config=...)")
-        if stored is not None and not getattr(passed, "dequantize", False):  # refused wherever it runs
-            raise _kept_quantised(fmt, passed)
         if stored is None:
-            raise QuantizedCheckpointError(
-                f"from_pretrained(quantization_config={type(passed).__name__}(...)) on an unquantised checkpoint "
-                "quantises it at load: the expert-parallel experts run as bf16/fp32 grouped GEMMs; load it "
-                "without a quantization_config"
-            )
+            raise _quantising_at_load(passed)
+        fmt = checkpoint_format(passed, "from_pretrained(quantization_config=...)")
+        if not getattr(passed, "dequantize", False):  # refused wherever it runs (a CPU would dequantise anyway)
+            raise _kept_quantised(fmt, passed)
         return kwargs
     fmt = checkpoint_format(stored, str(name_or_path))
     if fmt is None:
@@ -138,16 +134,19 @@ def dequantized_format(quantizer):
     """The format transformers' quantiser reads, when it dequantises a pre-quantised MXFP4 / FP8
     checkpoint (what hp-rewrite reads by rank); anything else is refused."""
     qc = quantizer.quantization_config
-    fmt = checkpoint_format(qc, "the quantization_config")
     if not quantizer.pre_quantized:
-        raise QuantizedCheckpointError(
-            f"from_pretrained(quantization_config={type(qc).__name__}(...)) on an unquantised checkpoint quantises "
-            "it at load: the expert-parallel experts run as bf16/fp32 grouped GEMMs; load it without a "
-            "quantization_config"
-        )
+        raise _quantising_at_load(qc)
+    fmt = checkpoint_format(qc, "the quantization_config")
     if not getattr(qc, "dequantize", False):
         raise _kept_quantised(fmt, qc)
     return fmt
+
+
+def _quantising_at_load(qc) -> QuantizedCheckpointError:
+    return QuantizedCheckpointError(
+        f"from_pretrained(quantization_config={type(qc).__name__}(...)) on an unquantised checkpoint quantises it "
+        "at load: the expert-parallel experts run as bf16/fp32 grouped GEMMs; load it without a quantization_config"
+    )
 
 
 def _kept_quantised(fmt, qc) -> QuantizedCheckpointError:
