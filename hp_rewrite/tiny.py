@@ -32,7 +32,13 @@ from .errors import ModelDirError
 from .hf import auto_class_for, auto_config, config_mapping, instantiate, quiet_transformers, short_error
 from .hf.shrink import TEXT_TOKEN_LIMIT, VOCAB, TinyError, default_config, sub_configs, tiny_config
 from .loading.checkpoint_files import INDEX_FILE, SINGLE_FILE
-from .loading.quantized import MXFP4_GROUP, quantize_fp8, quantize_mxfp4
+from .loading.quantized import (
+    MXFP4_GROUP,
+    fp8_linear_weights,
+    hub_quantization_config,
+    quantize_fp8,
+    quantize_mxfp4,
+)
 from .match.structure import expert_count, find_experts_holders
 
 __all__ = [
@@ -347,23 +353,18 @@ def _mxfp4(state: dict, config: dict) -> tuple[dict, dict]:
         if value.shape[-1] % MXFP4_GROUP:
             raise TinyError(f"quantize=mxfp4: {key} has {value.shape[-1]} inputs, not a multiple of 32")
         state[f"{key}_blocks"], state[f"{key}_scales"] = quantize_mxfp4(value)
-    qconfig = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    return state, qconfig
+    return state, hub_quantization_config("mxfp4")
 
 
 def _fp8(model: nn.Module, state: dict, config: dict) -> tuple[dict, dict]:
-    head = model.get_output_embeddings()
-    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    linears = fp8_linear_weights(model)
     chosen = [k for k in state if state[k].dim() == 2 and (k in linears or _PER_EXPERT.search(k))]
     if not any(_PER_EXPERT.search(k) for k in chosen):
         raise TinyError(f"quantize=fp8: {config.get('model_type')} does not save its experts one key per "
                         "expert; the block-FP8 Hub layout is DeepSeek-V3's (try deepseek_v3 or qwen3_moe)")
     for key in chosen:
         state[key], state[f"{key}_scale_inv"] = quantize_fp8(state[key], TINY_FP8_BLOCK)
-    qconfig = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-               "weight_block_size": list(TINY_FP8_BLOCK)}
-    return state, qconfig
+    return state, hub_quantization_config("fp8", TINY_FP8_BLOCK)
 
 
 def as_bf16(model: nn.Module) -> nn.Module:

@@ -81,10 +81,10 @@ def quantize_state(model, state: dict, method: str, gen) -> dict:
     import math
 
     import torch
-    from torch import nn
 
-    head = model.get_output_embeddings()
-    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    from hp_rewrite.loading.quantized import fp8_linear_weights
+
+    linears = fp8_linear_weights(model)
     out = {}
     for key, value in state.items():
         if method == "fp8" and value.dim() == 2 and (key in linears or ".experts." in key):
@@ -142,11 +142,10 @@ def write_checkpoint(config, out: Path, seed: int = 0, quantize: str | None = No
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
     )
     if quantize is not None:
+        from hp_rewrite.loading.quantized import hub_quantization_config
+
         config.dtype = torch.bfloat16
-        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]} \
-            if quantize == "mxfp4" else {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": list(FP8_BLOCK)}
+        config.quantization_config = hub_quantization_config(quantize, FP8_BLOCK)
     config.save_pretrained(out)
     return {"bytes": total, "files": len(names)}
 

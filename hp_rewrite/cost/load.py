@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..loading.quantized import MXFP4_GROUP, QuantFormat, checkpoint_format, stored_dtype
+from ..loading.quantized import MXFP4_GROUP, QuantFormat, checkpoint_format, fp8_linear_weights, stored_dtype
 from ..match.structure import find_experts_holders
 
 __all__ = ["LoadBytes", "load_bytes"]
@@ -57,8 +57,7 @@ def load_bytes(model: nn.Module, config, ep: int) -> LoadBytes:
     dtype = stored_dtype(config)
     itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
     holders = [name for name, _ in find_experts_holders(model, any_layout=True)]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    linears = fp8_linear_weights(model)
     expert = other = 0
     seen: set[int] = set()
     for name, p in model.state_dict(keep_vars=True).items():  # persistent buffers too; tied tensors once

@@ -43,6 +43,7 @@ __all__ = [
     "pretrained_class_for",
     "pretrained_model",
     "pretrained_model_class",
+    "quant_method",
     "quiet_transformers",
     "save_remote_code",
     "short_error",
@@ -329,9 +330,7 @@ def pretrained_model(name_or_path, config=None, **kwargs):
     kwargs.setdefault("attn_implementation", "eager")
     if is_remote_config(config):
         kwargs["trust_remote_code"] = True
-    qc = getattr(config, "quantization_config", None)
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = str(getattr(method, "value", method))
+    method = quant_method(getattr(config, "quantization_config", None))
     if method in ("mxfp4", "fp8"):  # dequantised wherever it runs (what transformers does on a CPU)
         kwargs.setdefault("quantization_config", dequantizing_config(method))
     return auto_class_for(config).from_pretrained(name_or_path, **kwargs)
@@ -401,6 +400,16 @@ def stored_quantization_config(name_or_path, kwargs: dict):
     except Exception:  # noqa: BLE001 (transformers reports it in the call itself)
         return None
     return config_dict.get("quantization_config")
+
+
+def quant_method(quantization_config) -> str | None:
+    """The ``quant_method`` of a quantisation config: a dict as ``config.json`` holds it, or transformers'
+    config object (whose method is a ``QuantizationMethod`` enum); None without one."""
+    if quantization_config is None:
+        return None
+    method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) \
+        else getattr(quantization_config, "quant_method", None)
+    return str(getattr(method, "value", method) or "")
 
 
 def dequantizing_config(method: str):

@@ -25,7 +25,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from ..hf import quant_method
 from .checkpoint_files import CheckpointKeyError, Reader, TensorInfo
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "checkpoint_format",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "fp8_linear_weights",
+    "hub_quantization_config",
     "load_note",
     "quantize_fp8",
     "quantize_mxfp4",
@@ -75,8 +79,7 @@ def checkpoint_format(config, where: str = "the checkpoint") -> QuantFormat | No
     config object); None without one. Formats that cannot be dequantised here are refused by name."""
     if config is None:
         return None
-    method = _field(config, "quant_method", "") or ""
-    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum, or the JSON string
+    method = quant_method(config)
     if method == "mxfp4":
         return QuantFormat("mxfp4")
     if method == "fp8":
@@ -96,6 +99,21 @@ def checkpoint_format(config, where: str = "the checkpoint") -> QuantFormat | No
         f"{where} is quantised with {name} (quantization_config.quant_method={method!r}): the expert-parallel "
         f"loader reads bf16/fp32, MXFP4 and block-FP8 checkpoints only; {_FIX}"
     )
+
+
+def hub_quantization_config(method: str, block: tuple[int, int] = (128, 128)) -> dict:
+    """The ``quantization_config`` the releases ship: gpt-oss's MXFP4 one, or DeepSeek-V3's block FP8."""
+    if method == "mxfp4":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def fp8_linear_weights(model: nn.Module) -> set[str]:
+    """The Linear weights a block-FP8 release stores quantised (every one but the output head), by
+    in-memory name; the routed experts' weights are quantised too, under their per-expert keys."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
 
 
 def load_note(config, where: str = "the checkpoint") -> str | None:
