@@ -21,6 +21,7 @@ _LAZY = {
     "sync_gradients": "hp_rewrite.training",
     "gradient_sync": "hp_rewrite.training",
     "prepare_trainer": "hp_rewrite.training",
+    "prepare_accelerator": "hp_rewrite.training",
     "fully_shard": "hp_rewrite.training",
     "load_fully_sharded": "hp_rewrite.training",
     "clip_grad_norm_": "hp_rewrite.training",

@@ -147,7 +147,7 @@ def case_accelerate(model_dir, out):
     world, steps, accum = dist.get_world_size(), 3, 2
     ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
     # the sampler a user writes for a fixed order: rank r takes every world-th micro-batch
     ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
     mine = ids[:, dist.get_rank()]
@@ -165,8 +165,24 @@ def case_accelerate(model_dir, out):
             optimizer.zero_grad()
     ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
     worst, name = _worst(model, ref)
-    return {"worst": worst, "worst_name": name, "norms": norms, "ref_norms": ref_norms,
-            "wrapped": type(ddp).__name__}
+    result = {"worst": worst, "worst_name": name, "norms": norms, "ref_norms": ref_norms,
+              "wrapped": type(ddp).__name__}
+    # prepare_accelerator: save_state / load_state hold every rank's experts and their optimizer state,
+    # save_model writes what plain transformers loads
+    accelerator.save_state(str(out / "accelerate_state"))
+    final = [p.detach().clone() for p in model.parameters()]
+    batch = mine[0]
+    ddp(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.load_state(str(out / "accelerate_state"))
+    result["state_worst"] = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), final, strict=True))
+    accelerator.save_model(ddp, str(out / "accelerate_saved"))
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        result["reload_saved"] = _worst(model, AutoModelForCausalLM.from_pretrained(out / "accelerate_saved"))[0]
+    return result
 
 
 def case_trainer_compile(model_dir, out):
@@ -199,7 +215,7 @@ def case_trainer_unprepared(model_dir, out):
 
 def case_trainer_refusals(model_dir, out):
     """prepare_trainer refuses what it cannot make exact: checkpoints of adapters on the experts
-    (PEFT), FSDP or DeepSpeed; attention-only adapters need nothing from it."""
+    (PEFT), DeepSpeed; attention-only adapters need nothing from it (FSDP: tests/fsdp_engine_script.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -222,9 +238,9 @@ def case_trainer_refusals(model_dir, out):
     trainer = Trainer(model=attention, args=TrainingArguments(**args))
     result["peft_attention"] = refusal(trainer)
     result["peft_attention_untouched"] = getattr(trainer, "hp_rewrite_callback", None) is None
-    fsdp = Trainer(model=_ep_model(model_dir, out / "art"), args=TrainingArguments(**args))
-    fsdp.is_fsdp_enabled = True  # what Trainer sets for an FSDP plugin (which needs devices to build here)
-    result["fsdp"] = refusal(fsdp)
+    deepspeed = Trainer(model=_ep_model(model_dir, out / "art"), args=TrainingArguments(**args))
+    deepspeed.is_deepspeed_enabled = True  # what Trainer sets for a DeepSpeed config (deepspeed is not installed)
+    result["deepspeed"] = refusal(deepspeed)
     del AutoModelForCausalLM
     return result
 

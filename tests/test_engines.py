@@ -164,6 +164,12 @@ def test_trainer_and_accelerate_equal_unmodified(case: str, engine_results: dict
             assert reported == pytest.approx(r["ref_norms"], rel=1e-5), r
 
 
+def test_prepared_accelerator_saves_every_rank_s_experts(engine_results: dict) -> None:
+    for r in engine_results["accelerate"]:
+        assert r["state_worst"] == 0.0, r  # load_state put back the saved model after another step
+    assert engine_results["accelerate"][0]["reload_saved"] == 0.0, engine_results["accelerate"][0]
+
+
 def test_trainer_checkpoints_reload_and_resume(engine_results: dict) -> None:
     r0, r1 = engine_results["trainer_adamw"]
     # save_model and a checkpoint written during training load in plain transformers bit for bit
@@ -184,10 +190,11 @@ def test_prepare_trainer_refuses_what_it_cannot_make_exact(engine_results: dict)
         assert "not rewritten" in r["plain"], r
         assert "adapters on the experts" in r["peft_experts"] and "save_strategy='no'" in r["peft_experts"], r
         assert r["peft_experts_no_save"] == "" and r["peft_attention"] == "" and r["peft_attention_untouched"], r
-        assert "FSDP or DeepSpeed" in r["fsdp"], r
+        assert "DeepSpeed (ZeRO)" in r["deepspeed"] and "fsdp_config version 2" in r["deepspeed"], r
 
 
-@pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate", "fsdp2"])
+@pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate", "fsdp2", "accelerate-fsdp2", "trainer-fsdp2",
+                                    "sft-fsdp2"])
 def test_train_ep_example_runs_every_engine(engine: str, tiny_dir: Path, tmp_path: Path) -> None:
     run = _torchrun(ROOT / "tools" / "train_ep.py", str(tiny_dir), "--plan", str(ROOT / "plans" / "auto-ep2.yaml"),
                     "--steps", "2", "--engine", engine, "--output-dir", str(tmp_path))

@@ -10,6 +10,13 @@ with (example; CPU + gloo here, the same code on GPUs with nccl):
 --engine accelerate  Accelerator.prepare + accumulate + clip_grad_norm_
 --engine fsdp2       hp_rewrite.fully_shard (experts over their replicas, the rest over the world),
                      hp_rewrite.clip_grad_norm_, a torch.distributed.checkpoint at the end
+--engine accelerate-fsdp2   accelerate's FSDP2 plugin (prepare_accelerator), save_state at the end
+--engine trainer-fsdp2      Trainer with fsdp_config version 2 (prepare_trainer), a checkpoint, save_model
+--engine sft-fsdp2          TRL's SFTTrainer with its defaults (bf16, activation checkpointing, the
+                            load-balancing loss) and fsdp_config version 2
+
+On a machine without GPUs accelerate would silently train the FSDP2 variants with DDP; there this
+example makes accelerate take its FSDP path (gloo, CPU tensors), as the tests do.
 """
 
 import argparse
@@ -78,22 +85,95 @@ def accelerate(model, args) -> None:
             report(step // 2, loss)
 
 
-def trainer(model, args) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def force_fsdp_on_cpu() -> None:
+    """accelerate's FSDP branch without GPUs (module doc): the distributed type a GPU machine gets."""
+    if torch.cuda.is_available():
+        return
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState(cpu=True)
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+#: Trainer's fsdp_config: each decoder layer (its _no_split_modules class) a unit, sharded checkpoints
+FSDP_CONFIG = {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}
+
+
+def accelerate_fsdp2(model, args) -> None:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    force_fsdp_on_cpu()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            state_dict_type="SHARDED_STATE_DICT")
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(fsdp_plugin=plugin))  # before prepare
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step, ids in enumerate(batches(model.config.vocab_size, args.steps, dist.get_rank())):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)  # every expert counted once
+        optimizer.step()
+        optimizer.zero_grad()
+        report(step, loss)
+    accelerator.save_state(f"{args.output_dir}/state")  # model and optimizer: one DCP, global experts
+
+
+def _reporter():
+    from transformers import TrainerCallback
 
     class Report(TrainerCallback):
         def on_log(self, targs, state, control, logs=None, **kwargs):
             if "loss" in (logs or {}) and dist.get_rank() == 0:
                 print(f"step {state.global_step - 1}: loss {logs['loss']:.4f}", flush=True)
 
-    rows = torch.cat(batches(model.config.vocab_size, args.steps, 0))
-    data = [{"input_ids": r, "labels": r} for r in rows.repeat(dist.get_world_size(), 1)]
-    targs = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=BATCH, max_steps=args.steps,
-                              learning_rate=1e-3, use_cpu=True, ddp_backend="gloo", report_to=[], logging_steps=1,
-                              save_strategy="steps", save_steps=args.steps, disable_tqdm=True)
-    t = hp_rewrite.prepare_trainer(Trainer(model=model, args=targs, train_dataset=data, callbacks=[Report()]))
+    return Report()
+
+
+def _tokenizer(model_dir: str, vocab: int):
+    """The checkpoint's tokenizer; a word-level one over the vocabulary for a tiny checkpoint without one."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        from tokenizers import Tokenizer, models
+
+        words = {f"t{i}": i for i in range(vocab)}
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="t0")),
+                                       pad_token="t1", eos_token="t2")
+
+
+def trainer(model, args) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    rows = torch.cat(batches(model.config.vocab_size, args.steps, 0)).repeat(dist.get_world_size(), 1)
+    common = dict(output_dir=args.output_dir, per_device_train_batch_size=BATCH, max_steps=args.steps,
+                  learning_rate=1e-3, use_cpu=not torch.cuda.is_available(), report_to=[], logging_steps=1,
+                  save_strategy="steps", save_steps=args.steps, disable_tqdm=True)
+    if args.engine != "trainer":  # fsdp_config version 2: each layer's weights, the experts over their replicas
+        common.update(fsdp=True, fsdp_config=FSDP_CONFIG)
+    if args.engine == "sft-fsdp2":  # SFTConfig's own defaults otherwise: bf16, activation checkpointing, aux loss
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        targs = SFTConfig(**common)
+        force_fsdp_on_cpu()
+        t = SFTTrainer(model=model, args=targs, train_dataset=Dataset.from_dict({"input_ids": rows.tolist()}),
+                       processing_class=_tokenizer(args.model_dir, model.config.vocab_size),
+                       callbacks=[_reporter()])
+    else:
+        targs = TrainingArguments(**common, ddp_backend="gloo")
+        if args.engine == "trainer-fsdp2":
+            force_fsdp_on_cpu()
+        data = [{"input_ids": r, "labels": r} for r in rows]
+        t = Trainer(model=model, args=targs, train_dataset=data, callbacks=[_reporter()])
+    hp_rewrite.prepare_trainer(t)  # every rank, before train()
     t.train()
     t.save_model()  # every rank: the experts are gathered, rank 0 writes a standard checkpoint
+
+
+ENGINES = {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate, "fsdp2": fsdp2,
+           "accelerate-fsdp2": accelerate_fsdp2, "trainer-fsdp2": trainer, "sft-fsdp2": trainer}
 
 
 def main() -> None:
@@ -101,14 +181,14 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--plan", default="plans/auto-ep2.yaml")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--engine", choices=["loop", "ddp", "trainer", "accelerate", "fsdp2"], default="loop")
+    parser.add_argument("--engine", choices=list(ENGINES), default="loop")
     parser.add_argument("--output-dir", default="/tmp/hp-rewrite-train-ep", help="trainer and fsdp2 checkpoints")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     with hp_rewrite.auto_patch(args.plan):  # from_pretrained returns the expert-parallel model
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="eager")
     model.train()
-    {"loop": loop, "ddp": loop, "trainer": trainer, "accelerate": accelerate, "fsdp2": fsdp2}[args.engine](model, args)
+    ENGINES[args.engine](model, args)
     dist.barrier()  # no rank closes its connections while a peer still has one of the last collectives in flight
     dist.destroy_process_group()
 

@@ -32,8 +32,19 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+#: the child that activation checkpointing's wrapper (torch's CheckpointWrapper) puts the layer under
+CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
+
+
+def state_dict_name(path: str) -> str:
+    """A module path as state dicts name it: the wrapper of activation checkpointing (accelerate's and
+    Trainer's FSDP ``activation_checkpointing``) left out, as its own state dict hooks leave it out."""
+    return path.replace(CHECKPOINT_WRAPPER, "")
+
+
 def _holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    return [(state_dict_name(n), m) for n, m in model.named_modules()
+            if getattr(m, "hp_expert_parallel", None) is not None]
 
 
 def _gather_full(param: torch.Tensor, binding) -> torch.Tensor | None:
@@ -280,6 +291,20 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
             shutil.rmtree(tmp, ignore_errors=True)
         if distributed:
             dist.barrier()
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unmodified model's state dict (in-memory names, every expert, on the CPU) on global rank 0,
+    empty elsewhere: what accelerate's ``get_state_dict`` gives for a model that is whole on every rank.
+    Collective, one decoder layer gathered at a time."""
+    rank = dist.get_rank() if _is_distributed() else 0
+    out: dict[str, torch.Tensor] = {}
+    for unit in _units(model, sort=False):
+        for name, t, expert in unit:
+            got = _gathered_modules(name, expert[0]) if t is None else {name: _gathered(name, t, expert)}
+            if rank == 0:
+                out.update({k: v.cpu() for k, v in got.items()})
     return out
 
 

@@ -93,6 +93,25 @@ def refuse_layerdrop(model: nn.Module) -> None:
             )
 
 
+_FOREIGN_FSDP = (
+    "{name} is sharded by FSDP (FSDP1, or FSDP2 not applied by hp-rewrite): FSDP over the world treats each "
+    "rank's own experts as shards of one tensor and mixes different experts. Shard the rewritten model with "
+    "hp_rewrite.fully_shard(model); through accelerate, call hp_rewrite.prepare_accelerator(accelerator) before "
+    "prepare; through Trainer / TRL, hp_rewrite.prepare_trainer(trainer) before train() (fsdp_config version 2); "
+    "or train with DDP"
+)
+
+
+def _modules_above(model: nn.Module, holders: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
+    """Each experts holder -> the modules that contain it (the holder itself included), root first."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    above = {}
+    for holder in holders:
+        parts = paths[id(holder)].split(".") if paths[id(holder)] else []
+        above[holder] = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    return above
+
+
 class EngineGuard:
     """Per rewritten model: the DDP contract for rank-local parameters and the refusals (module doc).
 
@@ -107,6 +126,7 @@ class EngineGuard:
         self.reductions = 0
         self._model = model
         self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+        self._above = None  # holder -> the modules containing it (at the first forward)
         self._checked = weakref.WeakKeyDictionary()  # DDP wrapper -> wraps this model (validated)
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
         self._reduced = False  # the rank-local gradients hold reduced (final) values
@@ -123,6 +143,7 @@ class EngineGuard:
         memo[id(self)] = twin
         twin._model = copy.deepcopy(self._model, memo)
         twin._holders = copy.deepcopy(self._holders, memo)
+        twin._above = None  # the copy is not complete yet: found at its first forward
         twin._checked, twin._tasks, twin._handles = weakref.WeakKeyDictionary(), set(), []
         twin.under_ddp = twin.ddp_sync = twin._reduced = False
         twin.reductions = 0
@@ -168,8 +189,11 @@ class EngineGuard:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._on_backward(sync), mode="any")
 
     def _refuse_sharded_experts(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
+        if self._above is None:
+            self._above = _modules_above(self._model, self._holders)
         for holder in self._holders:
             if getattr(holder, "hp_fsdp_sharded", False):  # hp_rewrite.fully_shard: over the expert replicas
                 if in_interleaved_step():
@@ -178,19 +202,18 @@ class EngineGuard:
                         "which FSDP2 does not support: use the Interleaver without fully_shard"
                     )
                 continue
+            # FSDP2 over a module containing the holder manages its experts (FSDP2 unshards them before
+            # this hook runs when that module is the model itself, so the weights alone cannot tell)
+            if any(isinstance(m, FSDPModule) for m in self._above[holder]):
+                raise ExpertParallelError(_FOREIGN_FSDP.format(
+                    name=f"{type(holder).__name__}.{holder.hp_layout.weight_names[0]}"))
             for name in holder.hp_layout.weight_names:
                 owner, leaf = holder.hp_layout.owner_of(holder, name)  # flat layouts: a path below the holder
                 p = owner._parameters.get(leaf)
                 # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat
                 # parameter) during forward; fully_shard a DTensor
                 if not isinstance(p, nn.Parameter) or isinstance(p, DTensor) or getattr(p, "_fsdp_flattened", False):
-                    raise ExpertParallelError(
-                        f"{type(holder).__name__}.{name} is sharded by FSDP (FSDP1, or torch's fully_shard): "
-                        "FSDP over the world treats each rank's own experts as shards of one tensor and mixes "
-                        "different experts. Shard the rewritten model with hp_rewrite.fully_shard(model) "
-                        "(experts over their replicas, the rest over the world), or wrap it in "
-                        "DistributedDataParallel (Trainer / accelerate without an FSDP plugin)"
-                    )
+                    raise ExpertParallelError(_FOREIGN_FSDP.format(name=f"{type(holder).__name__}.{name}"))
 
     def _check_ddp(self, ddp: nn.Module, model: nn.Module) -> None:
         world = dist.get_world_size()

@@ -104,3 +104,11 @@ def prepare_trainer(trainer):
     from .trainer import prepare_trainer as prepare
 
     return prepare(trainer)
+
+
+def prepare_accelerator(accelerator):
+    """Make an accelerate ``Accelerator`` prepare (FSDP2 included), clip, save and load an
+    expert-parallel model exactly (see :mod:`hp_rewrite.training.accelerator`)."""
+    from .accelerator import prepare_accelerator as prepare
+
+    return prepare(accelerator)

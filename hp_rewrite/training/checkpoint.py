@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..loading.save import state_dict_name
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import expert_parameters, rank_local_parameters
 from . import info_of, rewritten_model
@@ -53,6 +54,7 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
                 "rows on every rank, which a distributed checkpoint's global view cannot express; save with "
                 "hp_rewrite.save_pretrained(model, dir) (and Trainer: hp_rewrite.prepare_trainer) instead"
             )
+        path = state_dict_name(path)  # DCP's state dicts drop activation checkpointing's wrapper
         for w in holder.hp_layout.weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
@@ -124,12 +126,15 @@ def save(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None
     dcp.save(state, checkpoint_id=str(checkpoint_dir))
 
 
-def load(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None:
+def load(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike, model_weights: bool = True) -> None:
     """Load what :func:`save` wrote into ``model`` (and ``optimizer``), at any EP size and world
-    whose experts divide as the plan says. Collective."""
+    whose experts divide as the plan says; the optimizer's state alone with ``model_weights=False``.
+    Collective."""
     inner = rewritten_model(model)
     model_sd, optim_sd = _views(model, optimizer)
-    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd} if model_weights else {}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
     # the optimizer's live state, before the views (DCP writes through them into the same storage)
     live = None if optimizer is None else get_optimizer_state_dict(
         inner, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))

@@ -62,6 +62,71 @@ def _expert_placement(shard_size: int):
     return placement
 
 
+def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ExpertParallelError(f"{what} needs torch.distributed initialised (launch with torchrun)")
+    split = [type(h).__name__ for h in holders if h.hp_layout.split]
+    if split:
+        raise ExpertParallelError(
+            f"{what}: {split[0]} holds its experts' weights in two sub-modules that its expert-parallel "
+            "forward reads directly, beside its router; FSDP2 cannot unshard them around that forward. Train "
+            "this model with DDP or hp_rewrite.sync_gradients (its experts are already split over the EP ranks)"
+        )
+    if any(h.hp_expert_parallel.options.defer_expert_grads for h in holders):
+        raise ExpertParallelError(
+            f"{what}: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
+            "runtime.defer_expert_grads: false in the plan to train with FSDP2"
+        )
+    if any(getattr(m, "hp_expert_parallel", None) is None for _, m in rank_local_modules(inner)):
+        raise ExpertParallelError(
+            f"{what}: the experts carry PEFT adapters; sharding them with FSDP2 is not supported. Train "
+            "adapters on the experts with DDP (docs/training.md, PEFT), or merge them first (merge_and_unload())"
+        )
+
+
+def _policies(mp_policy, reshard_after_forward, offload_policy) -> dict:
+    return {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward,
+            "offload_policy": offload_policy or OffloadPolicy()}
+
+
+def shard_experts(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    offload_policy: OffloadPolicy | None = None,
+    what: str = "fully_shard",
+) -> ShardedMeshes:
+    """FSDP2 over each experts holder only, over the expert-replica mesh with the world size as its
+    divisor (module doc). An FSDP2 applied afterwards to the layers and the root (:func:`fully_shard`,
+    or an engine's, accelerate's) leaves these units alone and shards the rest. Collective."""
+    inner = rewritten_model(model)
+    info = info_of(model, what)
+    ep = info.ep
+    holders = [m for m in inner.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    _refuse_unshardable(inner, holders, what)
+    mesh = mesh if mesh is not None else ep.mesh  # the mesh the model's EP groups come from
+    check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
+    views = _views(mesh)
+    common = _policies(mp_policy, reshard_after_forward, offload_policy)
+    world = dist.get_world_size()
+    sum_only = dist.get_backend() != "nccl"  # gloo and hccl have no PREMUL_SUM: SUM, then scale
+    shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
+    for _, module in rank_local_modules(inner):  # each experts holder
+        torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
+        module.set_gradient_divide_factor(float(world))
+        # (only where a reduce-scatter runs: without one, torch 2.13 would then divide twice)
+        if sum_only and shard_size > 1:
+            module.set_force_sum_reduction_for_comms(True)
+        for p in module.parameters():
+            p.hp_ep_group = ep.group  # hp_rewrite.clip_grad_norm_: these norms also sum over the EP group
+    for h in holders:
+        h.hp_fsdp_sharded = True  # the engine guard accepts these DTensor experts
+    info.fsdp = views
+    return views
+
+
 def fully_shard(
     model: nn.Module,
     *,
@@ -76,54 +141,16 @@ def fully_shard(
     the model (sharded in place). Clip its gradients with :func:`hp_rewrite.clip_grad_norm_`.
     """
     inner = rewritten_model(model)
-    info = info_of(model, "fully_shard")
-    ep = info.ep
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ExpertParallelError("fully_shard needs torch.distributed initialised (launch with torchrun)")
-    if getattr(info, "fsdp", None) is not None:
+    if info_of(model, "fully_shard").fsdp is not None:
         return model
-    holders = [m for m in inner.modules() if getattr(m, "hp_expert_parallel", None) is not None]
-    split = [type(h).__name__ for h in holders if h.hp_layout.split]
-    if split:
-        raise ExpertParallelError(
-            f"fully_shard: {split[0]} holds its experts' weights in two sub-modules that its expert-parallel "
-            "forward reads directly, beside its router; FSDP2 cannot unshard them around that forward. Train "
-            "this model with DDP or hp_rewrite.sync_gradients (its experts are already split over the EP ranks)"
-        )
-    if any(h.hp_expert_parallel.options.defer_expert_grads for h in holders):
-        raise ExpertParallelError(
-            "fully_shard: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
-            "runtime.defer_expert_grads: false in the plan to train with FSDP2"
-        )
-    if any(getattr(m, "hp_expert_parallel", None) is None for _, m in rank_local_modules(inner)):
-        raise ExpertParallelError(
-            "fully_shard: the experts carry PEFT adapters; sharding them with FSDP2 is not supported. Train "
-            "adapters on the experts with DDP (docs/training.md, PEFT), or merge them first (merge_and_unload())"
-        )
-    mesh = mesh if mesh is not None else ep.mesh  # the mesh the model's EP groups come from
-    check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
-    views = _views(mesh)
-    common = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward,
-              "offload_policy": offload_policy or OffloadPolicy()}
-    world = dist.get_world_size()
-    sum_only = dist.get_backend() != "nccl"  # gloo and hccl have no PREMUL_SUM: SUM, then scale
-    shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
-    for _, module in rank_local_modules(inner):  # each experts holder
-        torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
-        module.set_gradient_divide_factor(float(world))
-        # (only where a reduce-scatter runs: without one, torch 2.13 would then divide twice)
-        if sum_only and shard_size > 1:
-            module.set_force_sum_reduction_for_comms(True)
-        for p in module.parameters():
-            p.hp_ep_group = ep.group  # hp_rewrite.clip_grad_norm_: these norms also sum over the EP group
+    views = shard_experts(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                          offload_policy=offload_policy)
+    common = _policies(mp_policy, reshard_after_forward, offload_policy)
     layer_classes = set(getattr(inner, "_no_split_modules", None) or [])
     for module in inner.modules():
         if type(module).__name__ in layer_classes and module is not inner:
             torch_fully_shard(module, mesh=views.dense, **common)
     torch_fully_shard(inner, mesh=views.dense, **common)
-    for h in holders:
-        h.hp_fsdp_sharded = True  # the engine guard accepts these DTensor experts
-    info.fsdp = views
     return model
 
 

@@ -13,8 +13,8 @@ resuming do, because Trainer writes from rank 0 alone and each rank holds differ
 * resuming reads the full checkpoint's experts into each rank's rows (``load_state_dict`` on the
   rewritten model slices them, see :func:`hp_rewrite.loading.save.load_full_checkpoints`).
 
-FSDP and DeepSpeed plugins are refused: they would shard the rank-local experts as if they were one
-tensor.
+With ``fsdp_config`` version 2 the Trainer is prepared for FSDP2 instead (:mod:`.trainer_fsdp`).
+DeepSpeed and FSDP1 are refused: they would shard the rank-local experts as if they were one tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import expert_parameters, rank_local_parameters
 from . import rewritten_model
+from .accelerator import refuse_unsupported
+from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
 
@@ -150,6 +152,11 @@ def prepare_trainer(trainer):
             "prepare_trainer: the Trainer's model was not rewritten by hp-rewrite; load it with "
             "hp_rewrite.auto_patch / hp_rewrite.from_pretrained"
         )
+    if model is not trainer.model and getattr(trainer, "is_fsdp_enabled", False):
+        raise ExpertParallelError(
+            "prepare_trainer: a PEFT model with fsdp_config is not supported for an expert-parallel model; train "
+            "its adapters with the default DDP (no fsdp arguments)"
+        )
     if model is not trainer.model:  # a PEFT model: Trainer saves and resumes only its adapters
         weights = {id(p) for p in expert_parameters(model)}
         local_adapters = [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
@@ -160,12 +167,14 @@ def prepare_trainer(trainer):
                 "and hp_rewrite.save_pretrained(model, dir) on every rank"
             )
         return trainer  # adapters on replicated weights only: Trainer's own saving is exact
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+    refuse_unsupported(trainer.accelerator, "prepare_trainer")
+    if getattr(trainer, "is_deepspeed_enabled", False):
         raise ExpertParallelError(
-            "prepare_trainer: the Trainer uses FSDP or DeepSpeed, which would shard each rank's own experts as if "
-            "they were one tensor; train the expert-parallel model with the default DDP (no fsdp / deepspeed "
-            "arguments)"
+            "prepare_trainer: DeepSpeed (ZeRO) partitions and averages every parameter over the world, each rank's "
+            "own experts included; train the expert-parallel model with fsdp_config version 2 or the default DDP"
         )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return prepare_fsdp2_trainer(trainer, _save_model)
     if getattr(trainer, "hp_rewrite_callback", None) is not None:
         return trainer
     callback = ExpertParallelCallback(trainer)

@@ -1,0 +1,239 @@
+"""accelerate's ``Accelerator`` around an expert-parallel model, DDP or FSDP2.
+
+Its DDP needs nothing for training (the engine guard, :mod:`hp_rewrite.runtime.engines`). Its FSDP2
+plugin would shard every rank's own experts over the whole world as if they were one tensor, and
+its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` changes, on that one
+``Accelerator`` object:
+
+* ``prepare``: under FSDP2 the experts holders are sharded first, as :func:`hp_rewrite.fully_shard`
+  shards them (over the expert-replica mesh, divided by the world size, with the plugin's mixed
+  precision, reshard and offload policies). accelerate's own preparation then leaves those units
+  alone and shards the rest by the user's wrap policy over its data-parallel mesh. Its
+  ``cpu_ram_efficient_loading`` (a broadcast of rank 0's weights over the others) is skipped for
+  this model: every rank already loaded its own experts and the same other weights.
+* ``clip_grad_norm_``: under FSDP2, :func:`hp_rewrite.clip_grad_norm_` (every expert counted once;
+  accelerate's own norm misses the other EP ranks' experts);
+* ``save_state`` / ``load_state``: the model and its optimizer as one ``torch.distributed.checkpoint``
+  with global expert tensors (:mod:`hp_rewrite.training.checkpoint`), whatever ``state_dict_type``
+  says (rank 0 alone cannot hold every rank's experts' optimizer state); the rest (schedulers,
+  samplers, RNG, custom objects) by accelerate;
+* ``get_state_dict`` / ``save_model``: the full model, experts gathered over the EP group.
+
+DeepSpeed, FSDP1 and tensor or context parallelism in the ``parallelism_config`` are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..loading.save import full_state_dict, save_pretrained
+from ..runtime import ExpertParallelError
+from . import info_of, rewritten_model
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
+from .fsdp import clip_grad_norm_, shard_experts
+
+#: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
+STATE_FOLDER = "hp_rewrite_model_{i}"
+
+
+def _kind(accelerator) -> str:
+    return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+
+
+def refuse_unsupported(accelerator, what: str) -> None:
+    """DeepSpeed, FSDP1, tensor / context parallelism: none keeps each rank's experts its own."""
+    kind = _kind(accelerator)
+    if kind == "DEEPSPEED":
+        raise ExpertParallelError(
+            f"{what}: DeepSpeed (ZeRO) partitions and averages every parameter over the world, each rank's own "
+            "experts included; train the expert-parallel model with FSDP2 (fsdp_version: 2) or DDP"
+        )
+    if kind == "FSDP" and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+        raise ExpertParallelError(
+            f"{what}: FSDP1 flattens each rank's own experts into one parameter sharded over the world; set "
+            "fsdp_version: 2 (accelerate config / FullyShardedDataParallelPlugin(fsdp_version=2) / Trainer "
+            "fsdp_config) to train the expert-parallel model with FSDP2"
+        )
+    config = getattr(accelerator, "parallelism_config", None)
+    for field in ("tp_size", "cp_size", "sp_size"):
+        size = getattr(config, field, 1) or 1
+        if size > 1:
+            raise ExpertParallelError(
+                f"{what}: ParallelismConfig({field}={size}) splits the model in a way the expert-parallel "
+                f"rewrite does not follow; set {field}=1 (data parallelism and FSDP2 sharding only)"
+            )
+
+
+def _is_ep_model(obj) -> bool:
+    return isinstance(obj, nn.Module) and rewritten_model(obj) is not None
+
+
+def _params_of(optimizer) -> list[nn.Parameter]:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def _upcast_trainable(model: nn.Module) -> None:
+    """What accelerate does to every trainable parameter under mixed precision (fp32 masters),
+    done to the experts before they are sharded: accelerate's ``param.data =`` would not reach
+    FSDP2's shards."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+
+
+def _shard_experts_first(accelerator, model: nn.Module, optimizers: list) -> None:
+    """Shard ``model``'s experts holders (module doc), and point the optimizers at their new parameters."""
+    inner = rewritten_model(model)
+    if info_of(model, "prepare").fsdp is not None:
+        return  # already sharded by hp_rewrite.fully_shard: accelerate keeps it as it is
+    if any(p.is_meta for p in inner.parameters()):
+        raise ExpertParallelError(
+            "accelerate prepare: the expert-parallel model has weights on the meta device, and FSDP2's rank-0 "
+            "broadcast would copy rank 0's experts over every rank's; load the model on every rank "
+            "(hp_rewrite.from_pretrained / auto_patch read each rank's own experts)"
+        )
+    if accelerator.mixed_precision != "no":
+        _upcast_trainable(inner)
+    before = dict(inner.named_parameters())
+    plugin = accelerator.state.fsdp_plugin
+    shard_experts(model, mp_policy=plugin.mixed_precision_policy, reshard_after_forward=plugin.reshard_after_forward,
+                  offload_policy=plugin.cpu_offload, what="accelerate prepare")
+    after = dict(inner.named_parameters())
+    moved = {id(before[n]): after[n] for n in before if n in after and after[n] is not before[n]}
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _plugin_for_ep(accelerator, presharded: bool):
+    """The FSDP2 plugin during ``prepare`` of an expert-parallel model: no rank-0 broadcast (module doc);
+    for a model already sharded by hp_rewrite.fully_shard no wrap policy either (accelerate keeps an FSDP2
+    module as it is, but first looks its layer classes up by their names, which FSDP2 has changed)."""
+    plugin = accelerator.state.fsdp_plugin
+    saved = {"cpu_ram_efficient_loading": plugin.cpu_ram_efficient_loading, "auto_wrap_policy": plugin.auto_wrap_policy}
+    plugin.cpu_ram_efficient_loading = False
+    if presharded:
+        plugin.auto_wrap_policy = None
+    try:
+        yield
+    finally:
+        for field, value in saved.items():
+            setattr(plugin, field, value)
+
+
+def _optimizer_of(accelerator, model: nn.Module):
+    """The prepared optimizer training ``model`` (the first whose parameters are the model's), or None."""
+    params = {id(p) for p in model.parameters()}
+    return next((o for o in accelerator._optimizers if any(id(p) in params for p in _params_of(o))), None)
+
+
+@contextlib.contextmanager
+def _hidden(accelerator, models: list[nn.Module], optimizers: list):
+    """accelerate's own save_state / load_state, without the models (and optimizers) hp-rewrite saves."""
+    kept_models, kept_optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models = [m for m in kept_models if all(m is not x for x in models)]
+    accelerator._optimizers = [o for o in kept_optimizers if all(o is not x for x in optimizers)]
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = kept_models, kept_optimizers
+
+
+def _ep_models(accelerator) -> list[tuple[int, nn.Module]]:
+    return [(i, m) for i, m in enumerate(accelerator._models) if _is_ep_model(m)]
+
+
+def _latest_state(accelerator) -> str:
+    """The folder ``load_state()`` without a folder reads: the newest automatic checkpoint."""
+    root = Path(accelerator.project_dir or ".") / "checkpoints"
+    folders = sorted((f for f in root.iterdir() if f.is_dir() and re.search(r"(\d+)$", f.name)),
+                     key=lambda f: int(re.search(r"(\d+)$", f.name).group(1))) if root.is_dir() else []
+    if not folders:
+        raise ExpertParallelError(f"load_state: no checkpoint under {root}; pass input_dir")
+    return str(folders[-1])
+
+
+def prepare_accelerator(accelerator):
+    """Make ``accelerator`` prepare, clip, save and load an expert-parallel model exactly (module doc).
+
+    Call it on every rank right after creating the Accelerator, before ``prepare``. Returns it.
+    """
+    if getattr(accelerator, "hp_rewrite_prepared", False):
+        return accelerator
+    refuse_unsupported(accelerator, "prepare_accelerator")
+    prepare, clip, save_state, load_state = (accelerator.prepare, accelerator.clip_grad_norm_,
+                                             accelerator.save_state, accelerator.load_state)
+
+    def prepare_ep(*args, device_placement=None):
+        if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
+            optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+            models = [a for a in args if _is_ep_model(a)]
+            presharded = any(rewritten_model(m).hp_rewrite.fsdp is not None for m in models)
+            for model in models:
+                _shard_experts_first(accelerator, model, optimizers)
+            with _plugin_for_ep(accelerator, presharded):
+                return prepare(*args, device_placement=device_placement)
+        return prepare(*args, device_placement=device_placement)
+
+    def clip_ep(parameters, max_norm, norm_type=2):
+        if accelerator.is_fsdp2 and _ep_models(accelerator):
+            accelerator.unscale_gradients()
+            return clip_grad_norm_(parameters, max_norm, norm_type)
+        return clip(parameters, max_norm, norm_type)
+
+    def save_state_ep(output_dir=None, safe_serialization=True, **kwargs):
+        models = _ep_models(accelerator)
+        optimizers = [_optimizer_of(accelerator, m) for _, m in models]
+        with _hidden(accelerator, [m for _, m in models], [o for o in optimizers if o is not None]):
+            location = save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        for (i, model), optimizer in zip(models, optimizers, strict=True):
+            inner = None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
+            save_checkpoint(model, inner, Path(location) / STATE_FOLDER.format(i=i))
+        return location
+
+    def load_state_ep(input_dir=None, **kwargs):
+        models = _ep_models(accelerator)
+        if input_dir is None and models:
+            input_dir = _latest_state(accelerator)
+        optimizers = [_optimizer_of(accelerator, m) for _, m in models]
+        with _hidden(accelerator, [m for _, m in models], [o for o in optimizers if o is not None]):
+            load_state(input_dir, **kwargs)
+        for (i, model), optimizer in zip(models, optimizers, strict=True):
+            folder = Path(input_dir) / STATE_FOLDER.format(i=i)
+            if not folder.is_dir():
+                raise ExpertParallelError(
+                    f"load_state: {input_dir} has no {folder.name} (the expert-parallel model's state); load a "
+                    "state written by an Accelerator passed to hp_rewrite.prepare_accelerator"
+                )
+            inner = None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
+            load_checkpoint(model, inner, folder)
+
+    def get_state_dict_ep(model, unwrap=True):
+        if _is_ep_model(model):
+            return full_state_dict(rewritten_model(model))
+        return type(accelerator).get_state_dict(accelerator, model, unwrap)
+
+    def save_model_ep(model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        if _is_ep_model(model):
+            os.makedirs(save_directory, exist_ok=True)
+            save_pretrained(rewritten_model(model), save_directory, max_shard_size=max_shard_size)
+            return
+        type(accelerator).save_model(accelerator, model, save_directory, max_shard_size, safe_serialization)
+
+    accelerator.prepare = prepare_ep
+    accelerator.clip_grad_norm_ = clip_ep
+    accelerator.save_state = save_state_ep
+    accelerator.load_state = load_state_ep
+    accelerator.get_state_dict = get_state_dict_ep
+    accelerator.save_model = save_model_ep
+    accelerator.hp_rewrite_prepared = True
+    return accelerator

@@ -1,0 +1,101 @@
+"""transformers ``Trainer`` (TRL's trainers too) with ``fsdp_config`` version 2 and an expert-parallel model.
+
+Trainer's FSDP2 goes through accelerate (prepared by :func:`~.accelerator.prepare_accelerator`: the
+experts sharded over the expert-replica mesh first, the rest by ``fsdp_config``). On top, the Trainer
+object gets:
+
+* its gradient norm from :func:`hp_rewrite.clip_grad_norm_` (Trainer's own per-mesh norm counts only
+  this EP rank's experts);
+* ``save_model``: the full model gathered, written by rank 0 as ``save_pretrained`` writes it (also
+  with ``SHARDED_STATE_DICT``, where Trainer writes nothing); in checkpoints only with
+  ``FULL_STATE_DICT``, as Trainer;
+* checkpoints and resume through one ``torch.distributed.checkpoint`` of model and optimizer with
+  global expert tensors (``hp_rewrite_fsdp/`` in each checkpoint folder), whatever ``state_dict_type``
+  says: accelerate's would keep one EP rank's experts (``FULL``) or write every EP rank's under the
+  same names (``SHARDED``). The scheduler, scaler, RNG and trainer state are Trainer's own files.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+
+import torch
+
+from ..runtime import ExpertParallelError
+from .accelerator import prepare_accelerator
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
+from .fsdp import clip_grad_norm_
+
+#: the checkpoint folder's model-and-optimizer state
+FSDP_FOLDER = "hp_rewrite_fsdp"
+SCHEDULER_FILE = "scheduler.pt"  # Trainer's SCHEDULER_NAME
+
+
+def _is_sharded(trainer) -> bool:
+    return "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+
+
+def _inner_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    save_checkpoint(self.model, _inner_optimizer(self.optimizer), Path(output_dir) / FSDP_FOLDER)
+    if self.args.should_save and self.lr_scheduler is not None:
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+
+def _folder(checkpoint: str) -> Path:
+    folder = Path(checkpoint) / FSDP_FOLDER
+    if not folder.is_dir():
+        raise ExpertParallelError(
+            f"resume from {checkpoint}: no {FSDP_FOLDER}/ (the expert-parallel model and optimizer state). Resume "
+            "from a checkpoint written by a Trainer passed to hp_rewrite.prepare_trainer, with save_only_model=False"
+        )
+    return folder
+
+
+def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    load_checkpoint(self.model, None, _folder(resume_from_checkpoint))
+
+
+def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    load_checkpoint(self.model, _inner_optimizer(self.optimizer), _folder(checkpoint), model_weights=False)
+    scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+    if self.lr_scheduler is not None and os.path.isfile(scheduler):
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _load_best_model(self) -> None:
+    raise ExpertParallelError(
+        "load_best_model_at_end with FSDP2 is not supported for an expert-parallel model; train without it and "
+        "load the best checkpoint's hp_rewrite_fsdp/ with hp_rewrite.load_checkpoint"
+    )
+
+
+def prepare_fsdp2_trainer(trainer, save_model_gathered):
+    """The FSDP2 part of :func:`hp_rewrite.prepare_trainer` (module doc); ``save_model_gathered`` is its
+    ``Trainer.save_model`` (every rank gathers, rank 0 writes)."""
+    if getattr(trainer, "hp_rewrite_fsdp", False):
+        return trainer
+    prepare_accelerator(trainer.accelerator)
+    trainer._has_mixed_mesh_grads = lambda model: True  # Trainer then asks _mixed_mesh_grad_norm
+    trainer._mixed_mesh_grad_norm = lambda model, max_norm: clip_grad_norm_(model.parameters(), max_norm)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if _internal_call and _is_sharded(self):
+            return  # a SHARDED_STATE_DICT checkpoint holds its model in FSDP_FOLDER only, as Trainer's does
+        save_model_gathered(self, output_dir, _internal_call)
+
+    trainer.save_model = types.MethodType(save_model, trainer)
+    trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
+    trainer._load_from_checkpoint = types.MethodType(_load_from_checkpoint, trainer)
+    trainer._load_optimizer_and_scheduler = types.MethodType(_load_optimizer_and_scheduler, trainer)
+    trainer._load_best_model = types.MethodType(_load_best_model, trainer)
+    trainer.hp_rewrite_fsdp = True
+    return trainer

@@ -1,0 +1,127 @@
+"""FSDP2 through the engines users launch (accelerate's FSDP2 plugin, Trainer and TRL's SFTTrainer with
+``fsdp_config`` version 2) on an expert-parallel model: forced onto accelerate's real FSDP2 path on a
+CPU, asserted to come back as FSDP2 with the experts over the expert-replica mesh, and compared with
+the unmodified model (tests/fsdp_engine_script.py). Two torchrun worlds: EP=2 on 2 ranks, EP=2 x 2
+expert replicas on 4."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_rewrite.tiny import make_tiny
+from tests.training_cases import TOL
+
+ROOT = Path(__file__).resolve().parent.parent
+TWO_RANKS = ["accelerate", "accelerate_presharded", "trainer_sgd", "trainer_full", "trainer_sharded", "sft",
+             "sft_sgd", "sft_bf16", "refusals"]
+FOUR_RANKS = ["accelerate", "trainer_full", "sft"]
+SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.4e-3)
+
+
+def _world(nproc: int, cases: list[str], tmp_path_factory) -> dict:
+    model = make_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "m")
+    out = tmp_path_factory.mktemp(f"fsdp_engines{nproc}")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(ROOT / "tests" / "fsdp_engine_script.py"), str(model), str(out), *cases],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return {c: [json.loads((out / f"{c}-rank{r}.json").read_text()) for r in range(nproc)] for c in cases}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict:
+    return _world(2, TWO_RANKS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> dict:
+    return _world(4, FOUR_RANKS, tmp_path_factory)
+
+
+def _sharded_as_fully_shard(r: dict, world: int) -> None:
+    """accelerate really took its FSDP2 path, and the experts are over the expert-replica mesh."""
+    assert r["is_fsdp"] and r["fsdp2"] and r["class"].startswith("FSDP"), r
+    assert r["dense_mesh"] == world and r["expert_mesh"] == world // 2, r
+    assert r["expert_local_rows"] == 8 // 2 // (world // 2), r  # this EP rank's 4 experts, sharded over replicas
+
+
+def _exact(r: dict) -> None:
+    assert r["worst"] <= TOL, (r["worst_name"], r["worst"])
+    reported = r.get("grad_norm") or r.get("norms")
+    assert reported == pytest.approx(r["ref_norms"], rel=1e-5), r  # every expert once, on every rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accelerate_fsdp2_equals_unmodified_and_resumes(world: int, request) -> None:
+    for r in request.getfixturevalue({2: "two", 4: "four"}[world])["accelerate"]:
+        _sharded_as_fully_shard(r, world)
+        _exact(r)
+        assert r["resume_worst"] == 0.0, r  # load_state, then the same steps: bit for bit
+        assert "hp_rewrite_model_0" in r["state_files"], r
+    r0 = request.getfixturevalue({2: "two", 4: "four"}[world])["accelerate"][0]
+    assert r0["saved_keys_equal"] and r0["saved_worst"] <= TOL and r0["state_dict_worst"] == 0.0, r0
+
+
+def test_trainer_fsdp2_sgd_step_equals_unmodified(two) -> None:
+    for r in two["trainer_sgd"]:
+        _sharded_as_fully_shard(r, 2)
+        _exact(r)
+        assert "CheckpointWrapper" in r["layer_class"], r  # fsdp_config's activation checkpointing applied
+        assert r["resume_worst"] == 0.0, r  # its checkpoint (layers under the wrapper) read back bit for bit
+    assert two["trainer_sgd"][0]["reload_final"] <= TOL, two["trainer_sgd"][0]
+
+
+@pytest.mark.parametrize("case", ["trainer_full", "trainer_sharded"])
+def test_trainer_fsdp2_checkpoints_resume_and_save(case: str, two, request) -> None:
+    worlds = {2: two[case], 4: request.getfixturevalue("four")[case]} if case in FOUR_RANKS else {2: two[case]}
+    for world, results in worlds.items():
+        for r in results:
+            _sharded_as_fully_shard(r, world)
+            _exact(r)
+            assert r["resume_worst"] == 0.0, r  # resumed from checkpoint-1: ends where the run ended, bit for bit
+            assert "hp_rewrite_fsdp" in r["files"] and "scheduler.pt" in r["files"], r["files"]
+        r0 = results[0]
+        assert r0["reload_final"] <= TOL, r0  # save_model writes what plain transformers loads
+        if case == "trainer_full":  # FULL_STATE_DICT checkpoints hold the gathered model too, as Trainer's do
+            assert "model.safetensors" in r0["files"] and r0["reload_checkpoint"] <= TOL, r0
+        else:
+            assert "model.safetensors" not in r0["files"], r0["files"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sft_trainer_fsdp2_with_its_defaults_equals_unmodified(world: int, request) -> None:
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])
+    # fp32: three AdamW steps with accumulation 2 and clipping, and one SGD step at lr 1; activation
+    # checkpointing and the load-balancing loss as SFTConfig sets them
+    for case in ("sft", "sft_sgd") if world == 2 else ("sft",):
+        for r in results[case]:
+            _sharded_as_fully_shard(r, world)
+            assert r["checkpointing"] and r["aux_loss"] and not r["bf16"], r
+            _exact(r)
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
+    if world == 2:
+        for r in results["sft_bf16"]:  # SFTConfig's defaults: bf16 mixed precision too
+            assert r["bf16"] and r["mp_param_dtype"] == "torch.bfloat16" and r["checkpointing"] and r["aux_loss"], r
+            assert r["worst"] <= SFT_BF16_TOL, (r["worst_name"], r["worst"])
+
+
+def test_accelerate_keeps_a_model_sharded_by_fully_shard(two) -> None:
+    for r in two["accelerate_presharded"]:
+        assert r["kept"], r  # the same FSDP2 parameters: accelerate did not shard it again
+        _sharded_as_fully_shard(r, 2)
+        _exact(r)
+
+
+def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
+    for r in two["refusals"]:
+        assert "prepare_accelerator(accelerator)" in r["unprepared"] and "gate_up_proj" in r["unprepared"], r
+        assert "fsdp_version: 2" in r["fsdp1"] and "fsdp_version: 2" in r["trainer_fsdp1"], r
+        assert "DeepSpeed (ZeRO)" in r["deepspeed"], r
+        assert "meta device" in r["meta"] and "each rank's own experts" in r["meta"], r
