@@ -245,16 +245,22 @@ def case_trainer_refusals(model_dir, out):
     return result
 
 
-def main() -> None:
+def run_cases(cases: dict, folder_per_case: bool = False) -> None:
+    """``MODEL_DIR OUT_DIR CASE [CASE ...]`` from the command line: each ``case_<CASE>`` of ``cases``
+    (a script's globals) on every rank, its result in ``OUT_DIR/<CASE>-rank<r>.json``."""
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
     for case in sys.argv[3:]:
-        result = globals()[f"case_{case}"](model_dir, out)
+        result = cases[f"case_{case}"](model_dir, out / case if folder_per_case else out)
         (out / f"{case}-rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_cases(globals())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Every rank writes ``OUT_DIR/<case>-rank<r>.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime import expert_weights, local_rows  # noqa: E402
-from tests.engine_script import PER_DEVICE, SEQ, _adamw, _reference_steps, _samples  # noqa: E402
+from tests.engine_cases import _error  # noqa: E402
+from tests.engine_script import PER_DEVICE, SEQ, _adamw, _reference_steps, _samples, run_cases  # noqa: E402
 
 LAYER = "Qwen3MoeDecoderLayer"
 
@@ -348,16 +348,6 @@ def case_accelerate_presharded(model_dir, out):
             "is_fsdp": True, **_sharding(model)}
 
 
-def _error(fn) -> str:
-    from hp_rewrite.runtime import ExpertParallelError
-
-    try:
-        fn()
-    except ExpertParallelError as e:
-        return str(e)
-    return ""
-
-
 def case_refusals(model_dir, out):
     """What cannot be exact ends in a clear error: accelerate's FSDP2 without prepare_accelerator (at the
     first forward, before any step; the plugin's default wrap policy shards only the root, whose FSDP2
@@ -399,15 +389,7 @@ def case_refusals(model_dir, out):
 
 
 def main() -> None:
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    for case in sys.argv[3:]:
-        result = globals()[f"case_{case}"](model_dir, out / case)
-        (out / f"{case}-rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    dist.destroy_process_group()
+    run_cases(globals(), folder_per_case=True)
 
 
 if __name__ == "__main__":
