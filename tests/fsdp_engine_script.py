@@ -323,17 +323,19 @@ def case_sft_bf16(model_dir, out):
     return _sft_case(model_dir, out, bf16=True, max_steps=2, gradient_accumulation_steps=1)
 
 
-def case_accelerate_presharded(model_dir, out):
-    """A model the user sharded with hp_rewrite.fully_shard before accelerate's FSDP2 prepare is kept as
-    it is; one SGD step at lr 1 with clipping."""
+def _accelerate_sgd(model_dir, out, presharded: bool) -> dict:
+    """One SGD step at lr 1 with clipping through accelerate's FSDP2 (here with reshard_after_forward
+    False); ``presharded``: the user sharded the model with hp_rewrite.fully_shard before prepare, and
+    accelerate keeps it as it is."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     force_fsdp()
     world, rank = dist.get_world_size(), dist.get_rank()
     accelerator = hp_rewrite.prepare_accelerator(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap")))
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=False)))
     ref, model = _reference(model_dir), _ep_model(model_dir, out)
-    hp_rewrite.fully_shard(model)
+    if presharded:
+        hp_rewrite.fully_shard(model)
     sharded = {n: p for n, p in model.named_parameters()}
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world)
@@ -346,6 +348,14 @@ def case_accelerate_presharded(model_dir, out):
     kept = all(p is sharded[n] for n, p in model.named_parameters())
     return {"worst": worst, "worst_name": name, "norms": [norm], "ref_norms": ref_norms, "kept": kept,
             "is_fsdp": True, **_sharding(model)}
+
+
+def case_accelerate_sgd(model_dir, out):
+    return _accelerate_sgd(model_dir, out, presharded=False)
+
+
+def case_accelerate_presharded(model_dir, out):
+    return _accelerate_sgd(model_dir, out, presharded=True)
 
 
 def case_refusals(model_dir, out):

@@ -17,9 +17,9 @@ from hp_rewrite.tiny import make_tiny
 from tests.training_cases import TOL
 
 ROOT = Path(__file__).resolve().parent.parent
-TWO_RANKS = ["accelerate", "accelerate_presharded", "trainer_sgd", "trainer_full", "trainer_sharded", "sft",
-             "sft_sgd", "sft_bf16", "refusals"]
-FOUR_RANKS = ["accelerate", "trainer_full", "sft"]
+TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
+             "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "refusals"]
+FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.4e-3)
 
 
@@ -69,13 +69,22 @@ def test_accelerate_fsdp2_equals_unmodified_and_resumes(world: int, request) -> 
     assert r0["saved_keys_equal"] and r0["saved_worst"] <= TOL and r0["state_dict_worst"] == 0.0, r0
 
 
-def test_trainer_fsdp2_sgd_step_equals_unmodified(two) -> None:
-    for r in two["trainer_sgd"]:
-        _sharded_as_fully_shard(r, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_accelerate_fsdp2_sgd_step_equals_unmodified(world: int, request) -> None:
+    for r in request.getfixturevalue({2: "two", 4: "four"}[world])["accelerate_sgd"]:
+        _sharded_as_fully_shard(r, world)
+        _exact(r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_fsdp2_sgd_step_equals_unmodified(world: int, request) -> None:
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])["trainer_sgd"]
+    for r in results:
+        _sharded_as_fully_shard(r, world)
         _exact(r)
         assert "CheckpointWrapper" in r["layer_class"], r  # fsdp_config's activation checkpointing applied
         assert r["resume_worst"] == 0.0, r  # its checkpoint (layers under the wrapper) read back bit for bit
-    assert two["trainer_sgd"][0]["reload_final"] <= TOL, two["trainer_sgd"][0]
+    assert results[0]["reload_final"] <= TOL, results[0]
 
 
 @pytest.mark.parametrize("case", ["trainer_full", "trainer_sharded"])
@@ -100,7 +109,7 @@ def test_sft_trainer_fsdp2_with_its_defaults_equals_unmodified(world: int, reque
     results = request.getfixturevalue({2: "two", 4: "four"}[world])
     # fp32: three AdamW steps with accumulation 2 and clipping, and one SGD step at lr 1; activation
     # checkpointing and the load-balancing loss as SFTConfig sets them
-    for case in ("sft", "sft_sgd") if world == 2 else ("sft",):
+    for case in ("sft", "sft_sgd"):
         for r in results[case]:
             _sharded_as_fully_shard(r, world)
             assert r["checkpointing"] and r["aux_loss"] and not r["bf16"], r
