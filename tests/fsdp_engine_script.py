@@ -394,6 +394,12 @@ def case_refusals(model_dir, out):
     # what Trainer holds for fsdp_config version 1, whose plugin needs a GPU to be built
     trainer.accelerator.state.fsdp_plugin.fsdp_version = 1
     result["trainer_fsdp1"] = _error(lambda: hp_rewrite.prepare_trainer(trainer))
+    best = TrainingArguments(output_dir=str(out / "best"), use_cpu=True, report_to=[], fsdp=True,
+                             fsdp_config=_fsdp_config(), load_best_model_at_end=True, eval_strategy="steps",
+                             save_strategy="steps")
+    samples = _samples(8, 2)
+    trainer = _forced_trainer_class(Trainer)(model=_ep_model(model_dir, out), args=best, eval_dataset=samples)
+    result["best_model"] = _error(lambda: hp_rewrite.prepare_trainer(trainer))
     AcceleratorState._reset_state(True)
     return result
 

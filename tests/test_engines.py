@@ -190,7 +190,7 @@ def test_prepare_trainer_refuses_what_it_cannot_make_exact(engine_results: dict)
         assert "not rewritten" in r["plain"], r
         assert "adapters on the experts" in r["peft_experts"] and "save_strategy='no'" in r["peft_experts"], r
         assert r["peft_experts_no_save"] == "" and r["peft_attention"] == "" and r["peft_attention_untouched"], r
-        assert "DeepSpeed (ZeRO)" in r["deepspeed"] and "fsdp_config version 2" in r["deepspeed"], r
+        assert "DeepSpeed (ZeRO)" in r["deepspeed"] and "fsdp_version: 2" in r["deepspeed"], r
 
 
 @pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate", "fsdp2", "accelerate-fsdp2", "trainer-fsdp2",

@@ -134,3 +134,4 @@ def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
         assert "fsdp_version: 2" in r["fsdp1"] and "fsdp_version: 2" in r["trainer_fsdp1"], r
         assert "DeepSpeed (ZeRO)" in r["deepspeed"], r
         assert "meta device" in r["meta"] and "each rank's own experts" in r["meta"], r
+        assert "load_best_model_at_end" in r["best_model"], r

@@ -47,14 +47,19 @@ def _kind(accelerator) -> str:
     return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
 
 
+def deepspeed_refusal(what: str) -> ExpertParallelError:
+    return ExpertParallelError(
+        f"{what}: DeepSpeed (ZeRO) partitions and averages every parameter over the world, each rank's own "
+        "experts included; train the expert-parallel model with FSDP2 (fsdp_version: 2: Trainer's fsdp_config, "
+        "accelerate's FSDP plugin) or DDP"
+    )
+
+
 def refuse_unsupported(accelerator, what: str) -> None:
     """DeepSpeed, FSDP1, tensor / context parallelism: none keeps each rank's experts its own."""
     kind = _kind(accelerator)
     if kind == "DEEPSPEED":
-        raise ExpertParallelError(
-            f"{what}: DeepSpeed (ZeRO) partitions and averages every parameter over the world, each rank's own "
-            "experts included; train the expert-parallel model with FSDP2 (fsdp_version: 2) or DDP"
-        )
+        raise deepspeed_refusal(what)
     if kind == "FSDP" and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
         raise ExpertParallelError(
             f"{what}: FSDP1 flattens each rank's own experts into one parameter sharded over the world; set "

@@ -32,7 +32,7 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import expert_parameters, rank_local_parameters
 from . import rewritten_model
-from .accelerator import refuse_unsupported
+from .accelerator import deepspeed_refusal, refuse_unsupported
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -169,10 +169,7 @@ def prepare_trainer(trainer):
         return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ExpertParallelError(
-            "prepare_trainer: DeepSpeed (ZeRO) partitions and averages every parameter over the world, each rank's "
-            "own experts included; train the expert-parallel model with fsdp_config version 2 or the default DDP"
-        )
+        raise deepspeed_refusal("prepare_trainer")
     if getattr(trainer, "is_fsdp_enabled", False):
         return prepare_fsdp2_trainer(trainer, _save_model)
     if getattr(trainer, "hp_rewrite_callback", None) is not None:

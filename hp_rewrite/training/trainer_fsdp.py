@@ -73,8 +73,8 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 
 def _load_best_model(self) -> None:
     raise ExpertParallelError(
-        "load_best_model_at_end with FSDP2 is not supported for an expert-parallel model; train without it and "
-        "load the best checkpoint's hp_rewrite_fsdp/ with hp_rewrite.load_checkpoint"
+        "prepare_trainer: load_best_model_at_end with fsdp_config is not supported for an expert-parallel model; "
+        "train without it and load the best checkpoint's hp_rewrite_fsdp/ with hp_rewrite.load_checkpoint"
     )
 
 
@@ -83,6 +83,8 @@ def prepare_fsdp2_trainer(trainer, save_model_gathered):
     ``Trainer.save_model`` (every rank gathers, rank 0 writes)."""
     if getattr(trainer, "hp_rewrite_fsdp", False):
         return trainer
+    if trainer.args.load_best_model_at_end:  # refused before training, not at its end
+        _load_best_model(trainer)
     prepare_accelerator(trainer.accelerator)
     trainer._has_mixed_mesh_grads = lambda model: True  # Trainer then asks _mixed_mesh_grad_norm
     trainer._mixed_mesh_grad_norm = lambda model, max_norm: clip_grad_norm_(model.parameters(), max_norm)
