@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
              "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd"]
-SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.4e-3)
+SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 
 
 def _world(nproc: int, cases: list[str], tmp_path_factory) -> dict:
