@@ -14,6 +14,7 @@ LAYERS = (
     ("hf",),
     ("kernels",),
     ("runtime",),
+    ("tensor",),
     ("plan",),
     ("codegen",),
     ("match",),

@@ -83,7 +83,8 @@ def test_plan_is_frozen() -> None:
 def test_canonical_is_complete_sorted_and_plain() -> None:
     canon = DEFAULT_PLAN.canonical()
     assert list(canon) == sorted(canon)
-    assert set(canon) == {"version", "ep_size", "modules", "archetype", "runtime", "placement", "output", "extensions"}
+    assert set(canon) == {"version", "ep_size", "tp_size", "sequence_parallel", "modules", "archetype", "runtime",
+                          "placement", "output", "extensions"}
     assert list(canon["runtime"]) == sorted(canon["runtime"])
     assert canon["runtime"]["timeout_s"] == 60.0 and canon["runtime"]["capacity_factor"] is None
     assert json.loads(json.dumps(canon)) == canon

@@ -51,6 +51,7 @@ class RewriteInfo:
     engine: EngineGuard | None = None  # DDP contract and refusals (runtime.engines)
     fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
     runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
+    tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -70,7 +71,8 @@ def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None) -> Exp
         if mesh is not None:
             raise ExpertParallelError("a device mesh needs torch.distributed initialised (launch with torchrun)")
         return ExpertParallelGroup.single()
-    return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, mesh=mesh)
+    return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, mesh=mesh,
+                                       tp_size=plan.tp_size)
 
 
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
@@ -107,6 +109,8 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     save_pretrained that gathers the experts."""
     from .save import load_full_checkpoints, refuse_partial_adapter_state
 
+    if info.plan.tp_size > 1:
+        info.tensor = split_dense(model, info.plan, info.ep, info.patched)
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     load_full_checkpoints(model)
@@ -116,6 +120,22 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     model.hp_original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: list[str]):
+    """Tensor (and sequence) parallelism of the dense parts over the EP group's TP group."""
+    from ..match import find_blocks
+    from ..tensor import MoeBlockSpec, parallelize, plan_layout
+
+    if ep.tp_size != plan.tp_size:
+        raise ExpertParallelError(
+            f"the plan's tp_size is {plan.tp_size} but the EP group's TP group has {ep.tp_size} rank(s): build it "
+            "with build_expert_parallel_group(ep_size, tp_size=...), or leave ep to hp-rewrite"
+        )
+    blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model) if s.path in patched]
+    layout = plan_layout(model, blocks, plan.tp_size)
+    parallelize(model, layout, ep.tp_mesh["tp"], plan.sequence_parallel)
+    return layout
 
 
 def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None):

@@ -201,6 +201,10 @@ class Plan(_Section):
 
     version: int
     ep_size: int = Field(ge=1)
+    # tensor parallelism of the dense parts over groups of tp_size consecutive ranks (the ranks of one
+    # TP group share one batch); sequence_parallel shards the residual stream and its norms on the sequence
+    tp_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
     modules: ModulesSection = Field(default_factory=ModulesSection)
     archetype: ArchetypeSection = Field(default_factory=ArchetypeSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
@@ -217,6 +221,20 @@ class Plan(_Section):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
         return data
+
+    @model_validator(mode="after")
+    def _parallel_sizes(self) -> Plan:
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("sequence_parallel: true needs tp_size > 1 (the sequence is split over the TP group)")
+        small, large = sorted((self.ep_size, self.tp_size))
+        if large % small:
+            raise ValueError(
+                f"ep_size {self.ep_size} and tp_size {self.tp_size}: one must divide the other (an EP group "
+                "spans whole TP groups, or a TP group whole EP groups)"
+            )
+        if self.tp_size > 1 and self.runtime.capacity_factor is not None:
+            raise ValueError("runtime.capacity_factor with tp_size > 1 is not supported: drop one of them")
+        return self
 
     @field_validator("version")
     @classmethod

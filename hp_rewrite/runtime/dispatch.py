@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels import npu_permute
-from . import comm
+from . import comm, tokens
 from .capacity import apply_capacity, count_per_expert
 from .context import ExchangeRuntime
 from .deferred import WeightGradQueue
@@ -106,6 +106,7 @@ class RoutedDispatch:
     weight_grads: WeightGradQueue | None  # where expert weight gradients queue (defer_expert_grads)
     done: bool = field(default=False)
     identity: torch.Tensor | None = None  # [T, H] zero (identity) experts' weighted sum, taken locally
+    tp_tokens: int | None = None  # under TP: the group's token count; only this rank's share was sent
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
@@ -158,6 +159,12 @@ def dispatch(
         )
     n_local = placement.num_local
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    tp_tokens = None
+    if ep.tp_size > 1:  # the TP group holds the same tokens: each rank sends its share (see .tokens)
+        tp_tokens = hidden.shape[0]
+        hidden, weights = (tokens.share(t, ep.tp_group, ep.tp_rank, ep.tp_size) for t in (hidden, weights))
+        start, end = tokens.bounds(tp_tokens, ep.tp_size, ep.tp_rank)
+        indices = indices[start:end]
     num_tokens, top_k = indices.shape
     indices = indices.long()
     identity = None
@@ -188,7 +195,7 @@ def dispatch(
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
         return RoutedDispatch(
             ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, [chunk], stats, placement,
-            ON_RANK, link, None, identity=identity,
+            ON_RANK, link, None, identity=identity, tp_tokens=tp_tokens,
         )
     bounds = _chunk_bounds(num_tokens, options.chunks)
     counts, plans = [], []
@@ -224,7 +231,7 @@ def dispatch(
     stats.bytes_received = stats.rows_received * row_bytes
     return RoutedDispatch(
         ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement,
-        exchange, link, runtime.queue_for(options, ep.size), identity=identity,
+        exchange, link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens,
     )
 
 
@@ -270,7 +277,11 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if state.identity is not None:
         out = out + state.identity
-    return out.to(state.hidden_dtype)
+    out = out.to(state.hidden_dtype)
+    if state.tp_tokens is not None:  # every rank of the TP group gets back all of its tokens
+        ep = state.ep
+        out = tokens.gather(out, ep.tp_group, ep.tp_rank, ep.tp_size, state.tp_tokens)
+    return out
 
 
 def moe_forward(

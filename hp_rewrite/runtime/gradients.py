@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from .errors import ExpertParallelError
 from .experts import holder_of
 from .gradnorm import mark_expert_grads
 from .groups import ExpertParallelGroup
@@ -111,13 +113,35 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
     world = dist.get_world_size()
     experts = {id(p) for p in rank_local_parameters(model)}
     params = [p for p in model.parameters() if p.requires_grad]
-    replicated = [p for p in params if id(p) not in experts]
+    replicated = [p for p in params if id(p) not in experts and not isinstance(p, DTensor)]
     for p in replicated:
         if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
             p.grad = torch.zeros_like(p)
     for dtype in sorted({p.grad.dtype for p in replicated}, key=str):
         _all_reduce_mean([p.grad for p in replicated if p.grad.dtype == dtype], None, world)
+    reduce_tensor_parallel_grads([p for p in params if id(p) not in experts and isinstance(p, DTensor)], ep)
     reduce_rank_local_grads([p for p in params if id(p) in experts], ep)
+
+
+def reduce_tensor_parallel_grads(params: list[nn.Parameter], ep: ExpertParallelGroup) -> None:
+    """The TP-split parameters (DTensors over the TP group): a partial gradient (a norm fed this rank's
+    sequence chunk or heads) is first summed over the group, then each rank's shard is averaged over the
+    ranks holding the same shard (the data-parallel dimension of the dense mesh). A whole parameter
+    (not a DTensor) gets the same gradient on every rank of its TP group: averaging it over the world,
+    as :func:`sync_gradients` does, is its mean over the batches."""
+    if not params:
+        return
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        dp = ep.dp_size
+        group = ep.tp_mesh["dp"].get_group() if dp > 1 else False
+        locals_ = [p.grad.to_local() for p in params]
+        for dtype in sorted({g.dtype for g in locals_}, key=str):
+            _all_reduce_mean([g for g in locals_ if g.dtype == dtype], group, dp)
 
 
 def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup) -> None:
@@ -128,9 +152,8 @@ def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     replica = ep.replica_group if ep.replica_size > 1 else False
-    world = dist.get_world_size()
-    for dtype in sorted({p.grad.dtype for p in params}, key=str):
-        _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, world)
+    for dtype in sorted({p.grad.dtype for p in params}, key=str):  # the ranks of a TP group share a batch
+        _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, ep.dp_size)
     mark_expert_grads(params, ep.group)
 
 
@@ -174,6 +197,11 @@ class GradientSync:
         self._handles = []
         if not self.enabled:
             return
+        if ep.tp_size > 1:
+            raise ExpertParallelError(
+                "GradientSync with tp_size > 1 is not supported: call hp_rewrite.sync_gradients(model) after "
+                "backward (it reduces the TP-split parameters over their data-parallel ranks)"
+            )
         self.world = dist.get_world_size()
         self._ep_group = ep.group
         experts = {id(p) for p in rank_local_parameters(model)}

@@ -11,7 +11,7 @@ replicas of the same experts: that second dimension is data parallel for the exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -22,6 +22,7 @@ from .errors import ExpertParallelError
 
 EP_DIM = "ep"  # the mesh dimension of the EP groups: the last one (consecutive ranks)
 EXPERT_DP_DIMS = ("dp_replicate", "efsdp")  # mesh dimensions over which ranks hold the same experts
+TP_DIM = "tp"  # the last dimension of the dense parts' mesh ("dp", "tp"): TP groups are consecutive ranks
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ExpertParallelGroup:
         gradients are averaged over it, non-expert gradients over the whole world.
     mesh: the device mesh the groups come from (``("efsdp", "ep")`` or ``("dp_replicate", "efsdp",
         "ep")``); None in a single process.
+    tp_size, tp_rank, tp_group, tp_mesh: the tensor-parallel group (plan ``tp_size``) and the dense
+        parts' mesh (``("dp", "tp")``). The ranks of a TP group share one batch; each routes and
+        dispatches only its share of the tokens (:mod:`.tokens`), so no token is routed twice.
     """
 
     size: int = 1
@@ -42,6 +46,16 @@ class ExpertParallelGroup:
     replica_rank: int = 0
     replica_group: dist.ProcessGroup | None = None
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    tp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def dp_size(self) -> int:
+        """How many batches one step sees: the world over the TP size (gradients are means over them)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return world // self.tp_size
 
     def __deepcopy__(self, memo) -> ExpertParallelGroup:
         """Process groups are shared, not copied: a deep copy of a rewritten model (a frozen reference
@@ -147,10 +161,52 @@ def expert_parallel_mesh(ep_size: int, timeout_s: float | None = None) -> Device
                             backend_override=_timeout_override(timeout_s, dims))
 
 
+def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
+    """Validate the dense parts' mesh: the whole world, ``tp`` last, of ``tp_size`` consecutive ranks."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names or names[-1] != TP_DIM:
+        raise ExpertParallelError(
+            f"device mesh dimensions {names}: with tp_size > 1 pass the dense parts' mesh, ('dp', 'tp') with "
+            "'tp' last (the TP groups are consecutive ranks); the EP groups are cut from the same ranks"
+        )
+    if mesh.size() != dist.get_world_size():
+        raise ExpertParallelError(
+            f"the device mesh spans {mesh.size()} ranks, the world {dist.get_world_size()}: one mesh for all ranks"
+        )
+    tp_mesh = mesh[TP_DIM]
+    if tp_mesh.size() != tp_size:
+        raise ExpertParallelError(
+            f"tp_size={tp_size} (the plan) but the device mesh's 'tp' dimension has {tp_mesh.size()} ranks: "
+            "make them equal"
+        )
+    first = dist.get_rank() - tp_mesh.get_local_rank()
+    if tp_mesh.mesh.flatten().tolist() != list(range(first, first + tp_size)):
+        raise ExpertParallelError(
+            f"the device mesh's 'tp' group of rank {dist.get_rank()} is {tp_mesh.mesh.flatten().tolist()}: TP "
+            "groups must be consecutive ranks; build the mesh with 'tp' as its last dimension"
+        )
+    return mesh
+
+
+def tensor_parallel_mesh(tp_size: int, timeout_s: float | None = None) -> DeviceMesh:
+    """``("dp", "tp")`` over the initialised world: TP groups of ``tp_size`` consecutive ranks."""
+    world = dist.get_world_size()
+    if world % tp_size != 0:
+        raise ExpertParallelError(
+            f"tp_size={tp_size} does not divide the world size {world}: choose a tp_size that divides it"
+        )
+    dims = ("dp", TP_DIM)
+    return init_device_mesh(mesh_device_type(), (world // tp_size, tp_size), mesh_dim_names=dims,
+                            backend_override=_timeout_override(timeout_s, dims))
+
+
 def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
-                                mesh: DeviceMesh | None = None) -> ExpertParallelGroup:
+                                mesh: DeviceMesh | None = None, tp_size: int = 1) -> ExpertParallelGroup:
     """The EP and replica groups over the initialised default world, from ``mesh`` (the user's) or
-    from :func:`expert_parallel_mesh`.
+    from :func:`expert_parallel_mesh`; with ``tp_size > 1`` also the TP group, from ``mesh`` (then the
+    user's ``("dp", "tp")`` mesh of the dense parts) or from :func:`tensor_parallel_mesh`. EP groups are
+    consecutive ranks too, so an EP group spans whole TP groups (the seed's TP-extended EP group) or
+    a TP group whole EP groups.
 
     Every rank must call it (building a mesh is collective). Without ``torch.distributed``
     initialised only ``ep_size == 1`` is possible.
@@ -158,14 +214,23 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
     if not (dist.is_available() and dist.is_initialized()):
-        if ep_size != 1 or mesh is not None:
+        if ep_size != 1 or mesh is not None or tp_size != 1:
+            which = f"ep_size={ep_size}" if tp_size == 1 else f"ep_size={ep_size} with tp_size={tp_size}"
             raise ExpertParallelError(
-                f"ep_size={ep_size} needs torch.distributed initialised with a world size that is a "
+                f"{which} needs torch.distributed initialised with a world size that is a "
                 "multiple of it (launch with torchrun --nproc-per-node N), or use ep_size 1"
             )
         return ExpertParallelGroup.single()
-    return ExpertParallelGroup.from_mesh(mesh if mesh is not None else expert_parallel_mesh(ep_size, timeout_s),
-                                         ep_size)
+    if tp_size == 1:
+        return ExpertParallelGroup.from_mesh(
+            mesh if mesh is not None else expert_parallel_mesh(ep_size, timeout_s), ep_size)
+    small, large = sorted((ep_size, tp_size))
+    if large % small:
+        raise ExpertParallelError(f"ep_size={ep_size} and tp_size={tp_size}: one must divide the other")
+    dense = check_tp_mesh(mesh, tp_size) if mesh is not None else tensor_parallel_mesh(tp_size, timeout_s)
+    tp = dense[TP_DIM]
+    ep = ExpertParallelGroup.from_mesh(expert_parallel_mesh(ep_size, timeout_s), ep_size)
+    return replace(ep, tp_size=tp_size, tp_rank=tp.get_local_rank(), tp_group=tp.get_group(), tp_mesh=dense)
 
 
 @dataclass(frozen=True)

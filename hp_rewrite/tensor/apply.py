@@ -1,0 +1,120 @@
+"""Apply a :class:`~.layout.TensorLayout` with torch's DTensor tensor-parallel API, and the sequence-
+parallel boundaries around it.
+
+Without sequence parallelism every activation between the modules is replicated over the TP group:
+an attention or MLP is column- then row-parallel (its output all-reduced), the MoE block runs on all
+tokens and dispatches only this rank's share (:mod:`hp_rewrite.runtime.tokens`), and every whole
+parameter gets the same, complete gradient on every rank of the group.
+
+With sequence parallelism the residual stream and the decoder norms hold this rank's chunk of the
+sequence (``[B, S/tp, H]``): the first decoder layer takes its chunk, an attention or MLP gathers the
+sequence on entry and its row-parallel output is reduce-scattered back onto it, the MoE block gathers
+on entry and keeps its chunk of the output on exit, the last decoder layer gathers the sequence for
+the final norm and the head. The norms' weights are replicated DTensors whose gradients are partial
+sums (DTensor's ``Partial``): :func:`hp_rewrite.sync_gradients` reduces them over the group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..runtime import tokens
+from .comm import sum_grads
+from .errors import TensorParallelError
+from .layout import COLWISE, HEAD_NORM, MLA_ROPE, ROWWISE, TensorLayout
+
+SEQ = 1  # the sequence dimension of the residual stream [B, S, H]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_first(output, value):
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+class _Boundary:
+    """The TP group a hook exchanges over."""
+
+    def __init__(self, mesh) -> None:
+        self.group, self.rank, self.size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+
+    def check(self, hidden: torch.Tensor, where: str) -> None:
+        if hidden.shape[SEQ] % self.size:
+            raise TensorParallelError(
+                f"sequence_parallel: the sequence length {hidden.shape[SEQ]} at {where} is not divisible by "
+                f"tp_size {self.size}; pad the batch to a multiple of tp_size, or set sequence_parallel: false"
+            )
+
+    def gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        return tokens.gather(hidden, self.group, self.rank, self.size, hidden.shape[SEQ] * self.size, SEQ)
+
+    def share(self, hidden: torch.Tensor) -> torch.Tensor:
+        return tokens.share(hidden, self.group, self.rank, self.size, SEQ)
+
+
+def _on_hidden(fn):
+    """A forward pre-hook applying ``fn`` to the module's ``hidden_states`` (first positional or by name)."""
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise TensorParallelError(f"sequence_parallel: {type(module).__name__} was called without hidden states")
+    return hook
+
+
+def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel: bool) -> None:
+    """Split ``model``'s dense modules over the 1-D ``mesh`` (the TP group) as ``layout`` says, in place."""
+    reduce_scattered = set()
+    if sequence_parallel:  # a mixer's row-parallel output goes back onto this rank's sequence chunk
+        reduce_scattered = {p for m in layout.mixers for p, s in layout.styles.items()
+                            if s == ROWWISE and p.startswith(m + ".")}
+    for path, style in layout.styles.items():
+        module = model.get_submodule(path)
+        if style == COLWISE:
+            parallelize_module(module, mesh, ColwiseParallel())
+        elif style == ROWWISE:
+            parallelize_module(module, mesh, RowwiseParallel(
+                output_layouts=Shard(SEQ) if path in reduce_scattered else Replicate()))
+        elif style == HEAD_NORM:  # fed this rank's heads (dim 2 of [B, S, heads, head_dim])
+            parallelize_module(module, mesh, SequenceParallel(sequence_dim=2, use_local_output=True))
+        elif style == MLA_ROPE:
+            module.register_forward_hook(_rope_grads(mesh.get_group(), layout.rope_width[path]))
+    if not sequence_parallel:
+        return
+    edge = _Boundary(mesh)
+    for path in layout.norms:
+        parallelize_module(model.get_submodule(path), mesh, SequenceParallel(sequence_dim=SEQ, use_local_output=True))
+    for path in layout.mixers:
+        model.get_submodule(path).register_forward_pre_hook(_on_hidden(edge.gather), with_kwargs=True)
+    for path in layout.moe:
+        block = model.get_submodule(path)
+        block.register_forward_pre_hook(_on_hidden(edge.gather), with_kwargs=True)
+        block.register_forward_hook(lambda m, a, out: _replace_first(out, edge.share(_first(out))))
+    first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
+
+    def enter(hidden):
+        edge.check(hidden, layout.layers[0])
+        return edge.share(hidden)
+
+    first.register_forward_pre_hook(_on_hidden(enter), with_kwargs=True)
+    last.register_forward_hook(lambda m, a, out: _replace_first(out, edge.gather(_first(out))))
+
+
+def _rope_grads(group, width: int):
+    """MLA: the rotary columns of ``kv_a_proj_with_mqa`` feed every head, this rank's only here; their
+    gradient is summed over the group (the latent columns reach it whole through ``kv_b_proj``)."""
+    def hook(module, args, out):
+        latent, rope = out[..., :-width], out[..., -width:]
+        return torch.cat([latent, sum_grads(rope, group)], dim=-1)
+    return hook
