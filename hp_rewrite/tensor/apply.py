@@ -52,7 +52,8 @@ class _Boundary:
         if hidden.shape[SEQ] % self.size:
             raise TensorParallelError(
                 f"sequence_parallel: the sequence length {hidden.shape[SEQ]} at {where} is not divisible by "
-                f"tp_size {self.size}; pad the batch to a multiple of tp_size, or set sequence_parallel: false"
+                f"tp_size {self.size}; pad the batch to a multiple of tp_size, or set sequence_parallel: false "
+                "(generate's decode steps hold one token: generate with a plan without sequence_parallel)"
             )
 
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -110,12 +110,12 @@ def shard_experts(
     check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
     views = _views(mesh)
     common = _policies(mp_policy, reshard_after_forward, offload_policy)
-    world = dist.get_world_size()
+    divisor = ep.dp_size  # the batches of one step (the ranks of a TP group share one)
     sum_only = dist.get_backend() != "nccl"  # gloo and hccl have no PREMUL_SUM: SUM, then scale
     shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
     for _, module in rank_local_modules(inner):  # each experts holder
         torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
-        module.set_gradient_divide_factor(float(world))
+        module.set_gradient_divide_factor(float(divisor))
         # (only where a reduce-scatter runs: without one, torch 2.13 would then divide twice)
         if sum_only and shard_size > 1:
             module.set_force_sum_reduction_for_comms(True)
@@ -146,11 +146,15 @@ def fully_shard(
     views = shard_experts(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
                           offload_policy=offload_policy)
     common = _policies(mp_policy, reshard_after_forward, offload_policy)
+    ep = info_of(model, "fully_shard").ep
+    # with tp_size > 1 the dense parts shard over the data-parallel dimension of their ("dp", "tp") mesh
+    # (2-D: FSDP2 over dp, DTensor TP within); the ranks of a TP group hold different shards
+    dense = ep.tp_mesh["dp"] if ep.tp_size > 1 else views.dense
     layer_classes = set(getattr(inner, "_no_split_modules", None) or [])
     for module in inner.modules():
         if type(module).__name__ in layer_classes and module is not inner:
-            torch_fully_shard(module, mesh=views.dense, **common)
-    torch_fully_shard(inner, mesh=views.dense, **common)
+            torch_fully_shard(module, mesh=dense, **common)
+    torch_fully_shard(inner, mesh=dense, **common)
     return model
 
 
