@@ -87,7 +87,7 @@ def compose(rank: int, world: int, payload: dict) -> dict:
         if checkpointing:
             model.activation_checkpointing_enable()
             model.config.use_cache = False
-            model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+            model.model.layers[0].mlp.register_forward_pre_hook(lambda *a, seen=calls: seen.append(1))
         result[name] = _train(model, ref, batches, rank)
         if checkpointing:  # each step ran the MoE block twice: forward, and again in backward
             result["recomputed"] = len(calls) == 2 * len(batches)
