@@ -69,6 +69,23 @@ def check_world(plan, nproc: int | None) -> None:
     if nproc is not None and (nproc < 1 or nproc % plan.ep_size):
         raise UserError(f"--nproc {nproc} is not a multiple of the plan's ep_size {plan.ep_size}: "
                         "the world is split into EP groups of ep_size ranks")
+    if nproc is not None and nproc % plan.tp_size:
+        raise UserError(f"--nproc {nproc} is not a multiple of the plan's tp_size {plan.tp_size}: "
+                        "the world is split into TP groups of tp_size ranks")
+
+
+def check_tensor_parallel(plan, config) -> None:
+    """With ``tp_size > 1``: the TP layout of the model (on the meta device), refused here with the
+    reason rather than on every rank."""
+    if plan.tp_size == 1:
+        return
+    from .match import find_blocks
+    from .tensor import MoeBlockSpec, plan_layout
+
+    model = meta_model(config)
+    blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model)
+              if plan.matches(s.path, type(s.block).__name__)]
+    plan_layout(model, blocks, plan.tp_size)
 
 
 def _experts_by_rank(plan, s) -> list[list[int]] | None:

@@ -4,7 +4,10 @@ Each rank loads the checkpoint, installs the generated forwards from the artifac
 group, runs forward and backward on its share of a random batch and, with ``verify``, compares the
 logits and every parameter gradient with the unmodified model run on the whole batch in the same
 process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
-over the world and expert gradients over the ranks holding the same experts before comparing.
+over the world and expert gradients over the ranks holding the same experts before comparing. With
+``tp_size > 1`` the ranks of a TP group share one batch and the dense parts are split over them: the
+gradients are those of :func:`~hp_rewrite.runtime.gradients.sync_gradients` (means over the batches)
+times the number of batches, TP shards gathered.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .kernels import npu_permute
 from .loading.local import load_expert_parallel
+from .loading.patch import split_dense
 from .plan import Plan
 from .runtime import (
     build_expert_parallel_group,
@@ -27,6 +32,7 @@ from .runtime import (
     local_rows,
 )
 from .runtime.exchange import permutations_used
+from .runtime.gradients import sync_gradients
 
 FP32_TOL = 1e-5
 
@@ -59,6 +65,11 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
     errors are taken against max(|reference gradient|, 1e-3 x the model's largest gradient).
     """
     ref_params = dict(ref.named_parameters())
+    if ep.tp_size > 1:  # the contract's means over the batches, times their number: the global sums
+        sync_gradients(model, ep)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(ep.dp_size)
     # A parameter whose gradient is tiny next to the model's largest (an unused router of a hash
     # layer, a gate that barely moves) holds only rounding noise: measure it against 1e-3 of the
     # largest gradient instead of against itself.
@@ -69,12 +80,14 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
     weights = expert_weights(model)
     for name, p in model.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
         ref_grad = ref_params[name].grad
         if name in weights:
-            if ep.replica_group is not None:
+            if ep.replica_group is not None and ep.tp_size == 1:
                 dist.all_reduce(grad, group=ep.replica_group)
             ref_grad = None if ref_grad is None else local_rows(*weights[name], ref_grad)
-        elif world > 1:
+        elif world > 1 and ep.tp_size == 1:
             dist.all_reduce(grad)
         errors[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad, floor)
     return errors
@@ -96,7 +109,7 @@ def kernel_choices(model: nn.Module, compute: str, device_type: str, dtype: torc
 def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(max(1, payload.get("threads", 1)))
     plan = Plan.model_validate(payload["plan"])
-    ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s)
+    ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, tp_size=plan.tp_size)
     t0 = time.perf_counter()
     # the same load path as auto_patch: built on meta, only this rank's experts read from disk
     # fp32 and eager attention, as the reference it is checked against
@@ -104,6 +117,9 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
                                          dtype=torch.float32, attn_implementation="eager",
                                          trust_remote_code=payload.get("trust_remote_code", False))
     patched = report["patched"]
+    split = None
+    if plan.tp_size > 1:  # the dense parts split over the TP group, as from_pretrained under the plan does
+        split = len(split_dense(model, plan, ep, patched).styles)
     timings = {"load_s": time.perf_counter() - t0}
     ref = load_model(payload["model_dir"], trust_remote_code=payload.get("trust_remote_code", False)) \
         if payload["verify"] else None
@@ -111,12 +127,13 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
     gen = torch.Generator().manual_seed(payload.get("seed", 0))
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (per_rank * world, seq), generator=gen)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    batches = world // plan.tp_size  # the ranks of a TP group share one batch
+    ids = torch.randint(0, vocab, (per_rank * batches, seq), generator=gen)
+    mine = slice(rank // plan.tp_size * per_rank, (rank // plan.tp_size + 1) * per_rank)
 
     t0 = time.perf_counter()
     out = _logits(model(input_ids=ids[mine]))
-    upstream = torch.randn((per_rank * world, *out.shape[1:]), generator=gen)
+    upstream = torch.randn((per_rank * batches, *out.shape[1:]), generator=gen)
     (out * upstream[mine]).sum().backward()
     timings["ep_step_s"] = time.perf_counter() - t0
     result = {"patched": patched, "timings": timings,
@@ -124,6 +141,9 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
               "permutations": permutations_used(plan.runtime.dedup, plan.ep_size,
                                                 npu_permute.wanted(plan.runtime.compute, out.device.type)),
               "loaded_bytes": {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
+    if split is not None:
+        result["tensor_parallel"] = {"tp_size": plan.tp_size, "sequence_parallel": plan.sequence_parallel,
+                                     "split_modules": split}
     if ref is None:
         return result
 

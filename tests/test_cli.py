@@ -158,3 +158,29 @@ def test_unsupported_quantisation_is_refused_by_every_command(tiny_dir: Path, tm
         assert "quantised with GPTQ" in out and "dequantize it once with plain transformers" in out, out
         assert "Traceback" not in out
     assert not (tmp_path / "gen").exists()
+
+
+def test_apply_tp_plan_nproc4_verify(tmp_path: Path) -> None:
+    """plans/tp2-sp-ep4.yaml on DeepSeek-V3 (MLA attention, a shared expert, a dense first layer): the
+    TP x SP x EP model on 4 ranks against the unmodified model, logits and every gradient."""
+    model_dir = make_tiny("deepseek_v3", tmp_path / "deepseek_v3")
+    report = tmp_path / "report.json"
+    assert main(["apply", str(PLANS / "tp2-sp-ep4.yaml"), str(model_dir), "--out", str(tmp_path / "gen"),
+                 "--nproc", "4", "--verify", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5
+    tp = [r["tensor_parallel"] for r in data["ranks"]]
+    assert all(t["tp_size"] == 2 and t["sequence_parallel"] and t["split_modules"] > 0 for t in tp)
+
+
+def test_tp_that_does_not_fit_the_model_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    plan = tmp_path / "tp4.yaml"
+    plan.write_text("version: 1\nep_size: 4\ntp_size: 4\n")  # the tiny qwen3_moe has 2 key/value heads
+    out = tmp_path / "gen"
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(out), "--nproc", "4"]) == 2
+    err = capsys.readouterr().out
+    assert "num_key_value_heads=2" in err and "tp_size" in err and "Traceback" not in err
+    assert not out.exists()
+    plan.write_text("version: 1\nep_size: 1\ntp_size: 2\n")
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(out), "--nproc", "3"]) == 2
+    assert "tp_size 2" in capsys.readouterr().out

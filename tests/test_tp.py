@@ -21,7 +21,9 @@ CASES = [dict(id=f"{m}-ep{e}-tp{t}" + ("-sp" if sp else ""), model_type=m, ep=e,
 EXTRA = [dict(id="bf16-qwen2_moe-ep4-tp2-sp", model_type="qwen2_moe", ep=4, tp=2, sp=True, bf16=True),
          dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True)]
 REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv_heads=2),
-            dict(id="odd-sequence", model_type="qwen3_moe", ep=2, tp=2, sp=True, seq=7)]
+            dict(id="odd-sequence", model_type="qwen3_moe", ep=2, tp=2, sp=True, seq=7),
+            dict(id="ddp", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="ddp"),
+            dict(id="trainer", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="trainer")]
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +59,6 @@ def test_refusals_name_the_reason(world) -> None:
     for results in world:
         assert "num_key_value_heads=2" in results["kv-heads"] and "tp_size 4" in results["kv-heads"]
         assert "sequence length 7" in results["odd-sequence"] and "sequence_parallel" in results["odd-sequence"]
+        # engines that would treat the ranks of a TP group as separate batches or average TP shards
+        assert "DistributedDataParallel" in results["ddp"] and "sync_gradients" in results["ddp"]
+        assert "prepare_trainer" in results["trainer"] and "tp_size" in results["trainer"]

@@ -99,6 +99,15 @@ def _refusal(case: dict, out_dir: str) -> str:
         plan = parse_plan(f"version: 1\nep_size: {case['ep']}\ntp_size: {case['tp']}\n"
                           f"sequence_parallel: {'true' if case['sp'] else 'false'}\n")
         model = rewrite_model(ref, plan, artifact_dir=Path(out_dir))
+        if case.get("engine") == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif case.get("engine") == "trainer":
+            from transformers import Trainer, TrainingArguments
+
+            import hp_rewrite
+
+            args = TrainingArguments(output_dir=str(Path(out_dir) / "trainer"), report_to=[], use_cpu=True)
+            hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
         model(input_ids=torch.zeros(1, case.get("seq", SEQ), dtype=torch.long))
     except UserError as e:
         return str(e)

@@ -41,7 +41,14 @@ def register(sub) -> None:
 
 
 def apply(args: ApplyArgs) -> int:
-    from ..apply import check_world, generate_artifact, output_dir, run_on_ranks, write_json_atomic
+    from ..apply import (
+        check_tensor_parallel,
+        check_world,
+        generate_artifact,
+        output_dir,
+        run_on_ranks,
+        write_json_atomic,
+    )
     from ..hf import load_config
     from ..loading.quantized import load_note
     from ..plan import load_plan
@@ -52,6 +59,7 @@ def apply(args: ApplyArgs) -> int:
     checkpoint = load_note(config, str(args.model_dir))  # a quantisation the loaders cannot read: refused here
     out_dir = output_dir(plan, args.out)
     check_world(plan, args.nproc)
+    check_tensor_parallel(plan, config)
     gen = generate_artifact(plan, config, args.model_dir, out_dir)
     timings = {"generate_s": time.perf_counter() - t0}
     print_modules(gen.modules, gen.unmatched, gen.excluded, gen.artifact, cached=gen.cached)
@@ -141,6 +149,10 @@ def print_kernels(ranks: list[dict]) -> None:
         if p and (p["backend"], p["reason"]) not in seen:
             seen.add((p["backend"], p["reason"]))
             console.print(f"row permutations (rank {rank}): [bold]{p['backend']}[/] - {p['reason']}", highlight=False)
+    tp = ranks[0].get("tensor_parallel") if ranks else None
+    if tp:
+        console.print(f"tensor parallel: tp_size {tp['tp_size']}, {tp['split_modules']} dense modules split"
+                      + (", sequence parallel" if tp["sequence_parallel"] else ""), highlight=False)
 
 
 def print_verify(ranks: list[dict]) -> None:

@@ -30,6 +30,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .errors import ExpertParallelError
 from .gradients import rank_local_modules, rank_local_names, rank_local_parameters, reduce_rank_local_grads
@@ -52,6 +53,8 @@ class RankLocalNames:
 
     def __iter__(self):
         names = rank_local_names(self._model)
+        # TP-split parameters too, so that DDP can be built and the guard's clear refusal reached
+        names += [n for n, p in self._model.named_parameters() if isinstance(p, DTensor)]
         return iter([prefix + n for prefix in WRAPPER_PREFIXES for n in names])
 
 
@@ -217,6 +220,12 @@ class EngineGuard:
 
     def _check_ddp(self, ddp: nn.Module, model: nn.Module) -> None:
         world = dist.get_world_size()
+        if self.ep.tp_size > 1:
+            raise ExpertParallelError(
+                f"DistributedDataParallel around a model split over TP groups (tp_size {self.ep.tp_size}) would "
+                "average different TP shards over the world: train it with hp_rewrite.sync_gradients(model) after "
+                "backward, or shard it with hp_rewrite.fully_shard(model) (data parallel x tp)"
+            )
         if dist.get_world_size(ddp.process_group) != world:
             raise ExpertParallelError(
                 f"DistributedDataParallel runs over {dist.get_world_size(ddp.process_group)} of the {world} "

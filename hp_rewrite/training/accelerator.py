@@ -179,6 +179,13 @@ def prepare_accelerator(accelerator):
                                              accelerator.save_state, accelerator.load_state)
 
     def prepare_ep(*args, device_placement=None):
+        split = [a for a in args if _is_ep_model(a) and rewritten_model(a).hp_rewrite.ep.tp_size > 1]
+        if split:
+            raise ExpertParallelError(
+                "prepare_accelerator: a model split over TP groups (tp_size > 1) is not supported through accelerate "
+                "(its DDP / FSDP wrapper and data loader would treat TP ranks as separate batches); train it in a "
+                "loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
+            )
         if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             models = [a for a in args if _is_ep_model(a)]

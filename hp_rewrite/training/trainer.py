@@ -152,6 +152,12 @@ def prepare_trainer(trainer):
             "prepare_trainer: the Trainer's model was not rewritten by hp-rewrite; load it with "
             "hp_rewrite.auto_patch / hp_rewrite.from_pretrained"
         )
+    if model.hp_rewrite.ep.tp_size > 1:
+        raise ExpertParallelError(
+            f"prepare_trainer: a model split over TP groups (tp_size {model.hp_rewrite.ep.tp_size}) is not supported "
+            "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
+            "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
+        )
     if model is not trainer.model and getattr(trainer, "is_fsdp_enabled", False):
         raise ExpertParallelError(
             "prepare_trainer: a PEFT model with fsdp_config is not supported for an expert-parallel model; train "
