@@ -10,6 +10,16 @@ step (kernel high-water mark, reset before the step). The target for fully_shard
 within 10%.
 
     python tools/measure_train_memory.py --nproc 4 --ep 2 --json train_memory.json
+
+``--tp N`` measures activations instead, at a long sequence: the same model (``--vocab`` small, so the
+replicated LM head's logits do not hide the rest) run at ``tp_size`` 1, ``tp_size`` N and ``tp_size`` N
+with ``sequence_parallel``, one forward and backward each. Each rank reports the bytes autograd saved
+for backward (every saved tensor once, parameters left out: the activations the step holds at its
+peak), split by the decoder part that saved them (the norms, which sequence parallelism shards; the
+attention; the MoE block; the rest: embedding, final norm, LM head, loss), and the peak RSS growth of
+the step.
+
+    python tools/measure_train_memory.py --nproc 4 --ep 2 --tp 2 --seq 1024 --vocab 1024 --json tp_memory.json
 """
 
 from __future__ import annotations
@@ -103,6 +113,104 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     return out
 
 
+PARTS = ("norms", "attention", "moe", "rest")  # where the decoder's saved activations come from
+
+
+def _part(path: str) -> str | None:
+    name = path.rpartition(".")[2]
+    if name.endswith("layernorm"):
+        return "norms"  # the decoder norms: sequence-parallel
+    if name == "self_attn":
+        return "attention"
+    if name == "mlp":
+        return "moe"
+    return None
+
+
+def _saved_bytes(model, step) -> dict[str, int]:
+    """Bytes of the tensors autograd saves during ``step()``, per part of the decoder (each storage
+    once, parameters left out), attributed to the innermost part running when it was saved."""
+    params = set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params.add(local.untyped_storage().data_ptr())
+    seen: dict[int, tuple[str, int]] = {}
+    running: list[str] = []
+    handles = []
+    for path, module in model.named_modules():
+        part = _part(path)
+        if part is not None:
+            handles.append(module.register_forward_pre_hook(lambda m, a, part=part: running.append(part) and None))
+            handles.append(module.register_forward_hook(lambda m, a, o: running.pop() and None))
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (running[-1] if running else "rest", storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    for h in handles:
+        h.remove()
+    return {part: sum(n for p, n in seen.values() if p == part) for part in PARTS}
+
+
+def activation_worker(rank: int, world: int, payload: dict) -> dict:
+    """--tp: saved activations and step peak RSS at tp_size 1, tp_size N, tp_size N with SP."""
+    import torch.distributed as dist
+
+    import hp_rewrite
+    from hp_rewrite.loading.patch import rewrite_model
+    from hp_rewrite.plan import parse_plan
+    from hp_rewrite.tiny import build_tiny_model
+
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**payload)
+    base = build_tiny_model(config(args), seed=0).train()
+    out = {}
+    for mode, tp, sp in (("ep", 1, False), ("tp", args.tp, False), ("tp+sp", args.tp, True)):
+        plan = parse_plan(f"version: 1\nep_size: {args.ep}\ntp_size: {tp}\n"
+                          f"sequence_parallel: {'true' if sp else 'false'}\n")
+        model = rewrite_model(copy.deepcopy(base), plan, artifact_dir=Path(args.artifacts))
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank // tp))
+
+        def step(model=model, ids=ids):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _rss_kb("VmRSS")
+        saved = _saved_bytes(model, step)
+        out[mode] = {"saved": saved, "total": sum(saved.values()), "step_peak_rss": (_rss_kb("VmHWM") - before) * 1024}
+        hp_rewrite.sync_gradients(model)
+        del model
+        dist.barrier()
+    return out
+
+
+def activation_report(args, ranks) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"activations per rank, {args.nproc} ranks, EP={args.ep}, sequence {args.seq} x batch "
+                        f"{args.batch} per TP group")
+    cols = ["rank", "mode", *(f"{p} MB (vs tp 1)" for p in PARTS), "total MB (vs tp 1)", "step peak RSS MB"]
+    for col in cols:
+        table.add_column(col, justify="right")
+
+    def cell(now: int, then: int) -> str:
+        return f"{now / 1e6:.1f} ({now / then:.2f})" if then else f"{now / 1e6:.1f}"
+
+    for rank, r in enumerate(ranks):
+        for mode in ("ep", "tp", "tp+sp"):
+            m, ep = r[mode], r["ep"]
+            table.add_row(str(rank), mode if mode == "ep" else f"{mode} (tp {args.tp})",
+                          *(cell(m["saved"][p], ep["saved"][p]) for p in PARTS), cell(m["total"], ep["total"]),
+                          f"{m['step_peak_rss'] / 1e6:.1f}")
+    Console().print(table)
+
+
 def main() -> None:
     from rich.console import Console
     from rich.table import Table
@@ -120,9 +228,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--artifacts", default="/tmp/hp-rewrite-train-memory")
+    parser.add_argument("--tp", type=int, default=1, help="measure activations at tp_size 1, N, N with SP")
     parser.add_argument("--json")
     args = parser.parse_args()
     payload = {k: v for k, v in vars(args).items() if k not in ("nproc", "json")}
+    if args.tp > 1:
+        ranks = run_world(args.nproc, "tools.measure_train_memory:activation_worker", payload, timeout=1800)
+        activation_report(args, ranks)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "ranks": ranks}, indent=2))
+        return
     ranks = run_world(args.nproc, "tools.measure_train_memory:worker", payload, timeout=1800)
     table = Table(title=f"training memory per rank, {args.nproc} ranks, EP={args.ep} "
                         f"({ranks[0]['dense_params'] / 1e6:.1f} M non-expert + {ranks[0]['expert_params'] / 1e6:.1f} M "
