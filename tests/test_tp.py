@@ -28,7 +28,10 @@ REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> list[dict]:
-    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(tmp_path_factory.mktemp("tp"))}
+    out = tmp_path_factory.mktemp("tp")
+    memory = {"ep": 2, "tp": 2, "hidden": 128, "layers": 2, "experts": 8, "moe_intermediate": 64, "vocab": 256,
+              "seq": 256, "batch": 2, "artifacts": str(out / "memory")}
+    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(out), "memory": memory}
     return run_world(4, "tests.tp_cases:tp_world", payload, timeout=900)
 
 
@@ -62,3 +65,16 @@ def test_refusals_name_the_reason(world) -> None:
         # engines that would treat the ranks of a TP group as separate batches or average TP shards
         assert "DistributedDataParallel" in results["ddp"] and "sync_gradients" in results["ddp"]
         assert "prepare_trainer" in results["trainer"] and "tp_size" in results["trainer"]
+
+
+def test_sequence_parallel_keeps_a_chunk_of_the_activations(world) -> None:
+    """tools/measure_train_memory.py --tp at a small size: with sequence parallelism the decoder norms
+    save 1/tp of their activations, and attention and the MoE block keep only this rank's chunk of their
+    gathered input for backward (about 1/tp of what EP alone saves, as at tp without SP)."""
+    for rank, results in enumerate(world):
+        r = results["memory"]
+        ep, tp, sp = (r[m]["saved"] for m in ("ep", "tp", "tp+sp"))
+        assert abs(sp["norms"] / ep["norms"] - 0.5) < 0.01, (rank, r)
+        for part in ("attention", "moe"):
+            assert sp[part] <= tp[part] * 1.01 and sp[part] / ep[part] < 0.65, (rank, part, r)
+        assert r["tp+sp"]["total"] < r["tp"]["total"] < r["ep"]["total"], (rank, r)

@@ -120,4 +120,8 @@ def tp_world(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
     results = {c["id"]: _case(rank, world, c, payload["out_dir"]) for c in payload["cases"]}
     results.update({c["id"]: _refusal(c, payload["out_dir"]) for c in payload.get("refusals", [])})
+    if payload.get("memory"):  # the saved activations per decoder part at tp 1, tp 2, tp 2 with SP
+        from tools.measure_train_memory import activation_worker
+
+        results["memory"] = activation_worker(rank, world, payload["memory"])
     return results

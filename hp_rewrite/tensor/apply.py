@@ -30,6 +30,7 @@ from ..runtime import tokens
 from .comm import sum_grads
 from .errors import TensorParallelError
 from .layout import COLWISE, HEAD_NORM, MLA_ROPE, ROWWISE, TensorLayout
+from .regather import Regather
 
 SEQ = 1  # the sequence dimension of the residual stream [B, S, H]
 
@@ -93,15 +94,26 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
             module.register_forward_hook(_rope_grads(mesh.get_group(), layout.rope_width[path]))
     if not sequence_parallel:
         return
-    edge = _Boundary(mesh)
+    edge, regather = _Boundary(mesh), Regather()
     for path in layout.norms:
         parallelize_module(model.get_submodule(path), mesh, SequenceParallel(sequence_dim=SEQ, use_local_output=True))
+
+    def gather_in(hidden):
+        full = edge.gather(hidden).contiguous()
+        regather.enter(hidden, full, edge)  # backward keeps this rank's chunk only (.regather)
+        return full
+
+    def leave(module, args, out):
+        regather.leave()
+
     for path in layout.mixers:
-        model.get_submodule(path).register_forward_pre_hook(_on_hidden(edge.gather), with_kwargs=True)
+        mixer = model.get_submodule(path)
+        mixer.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
+        mixer.register_forward_hook(leave)
     for path in layout.moe:
         block = model.get_submodule(path)
-        block.register_forward_pre_hook(_on_hidden(edge.gather), with_kwargs=True)
-        block.register_forward_hook(lambda m, a, out: _replace_first(out, edge.share(_first(out))))
+        block.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
+        block.register_forward_hook(lambda m, a, out: (regather.leave(), _replace_first(out, edge.share(_first(out))))[1])
     first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
 
     def enter(hidden):
