@@ -168,8 +168,20 @@ def test_balanced_equals_uniform_histogram_and_capacity() -> None:
 def test_etp_tp_cp() -> None:
     lay = _layer(shared=MLPShape(8, 5, 120, 120))
     base = layer_cost(lay, Parallel(), Workload(4, 2))
-    assert layer_cost(lay, Parallel(etp=2, tp=4), Workload(4, 2)).forward.routed == base.forward.routed / 2
-    assert layer_cost(lay, Parallel(tp=4), Workload(4, 2)).forward.shared == base.forward.shared / 4
+    # TP-extended EP: each of the 4 TP ranks dispatches a quarter of the group's tokens to complete
+    # experts (only etp divides an expert), splits the shared expert, and routes every token
+    tp = layer_cost(lay, Parallel(tp=4), Workload(4, 2))
+    assert tp.forward.routed == base.forward.routed / 4 and tp.forward.shared == base.forward.shared / 4
+    assert tp.forward.router == base.forward.router and tp.exchange.rows_sent == base.exchange.rows_sent / 4
+    assert tp.memory.expert_params == base.memory.expert_params
+    assert layer_cost(lay, Parallel(etp=2, tp=4), Workload(4, 2)).forward.routed == base.forward.routed / 8
+    # its collectives, in units of the group's [tokens, hidden] x 3/4: forward the routed output gathered
+    # and the shared expert's all-reduce (2); under SP the input gathered too; backward one more under SP
+    unit = 4 * 2 * lay.hidden * 2 * 3 / 4
+    assert (tp.tp_forward_bytes, tp.tp_backward_bytes) == (3 * unit, 3 * unit)
+    sp = layer_cost(lay, Parallel(tp=4, sequence_parallel=True), Workload(4, 2))
+    assert (sp.tp_forward_bytes, sp.tp_backward_bytes) == (4 * unit, 5 * unit)
+    assert base.tp_forward_bytes == base.tp_backward_bytes == 0
     cp = layer_cost(lay, Parallel(cp=2), Workload(4, 2))
     assert cp.forward.total == base.forward.total / 2 and cp.exchange.rows_sent == base.exchange.rows_sent / 2
     with pytest.raises(ValueError, match="ep=0"):
@@ -458,6 +470,30 @@ def test_suggest_comm_bound_small_ep_wins() -> None:
     cands = suggest(SYN, 8, WORK, hw)
     assert [c.ep for c in cands] == [2, 4, 8, 1] and not cands[-1].feasible
     assert cands[2].bound == "comm" and cands[0].time.total < cands[1].time.total < cands[2].time.total
+
+
+def test_suggest_ranks_tp_degrees_with_their_collectives() -> None:
+    """A TP group shares one micro-batch: each rank routes 1/tp of it, so its activations shrink and a
+    layout that does not fit at tp 1 fits at tp 2; the ranking is by the world's tokens per second, and
+    a TP layout pays its collectives on the critical path."""
+    def mem(ep, tp):
+        return estimate(SYN, Parallel(ep=ep, tp=tp), WORK).memory
+
+    hw = _hw((mem(8, 1) + mem(8, 2)) / 2, alpha_s=1e-6, beta_Bps=1e9)
+    cands = suggest(SYN, 8, WORK, hw, tp_sizes=(1, 2, 4))
+    assert {(c.ep, c.tp) for c in cands} == {(e, t) for e in (1, 2, 4, 8) for t in (1, 2, 4)}
+    feasible = [c for c in cands if c.feasible]
+    assert feasible and all(c.tp >= 2 for c in feasible) and all(c.tp == 1 for c in cands if not c.feasible
+                                                                   and c.ep == 8)
+    rates = [c.tokens_per_s for c in feasible]
+    assert rates == sorted(rates, reverse=True)
+    c = feasible[0]
+    assert c.tokens_per_s == pytest.approx(8 // c.tp * WORK.seq_len * WORK.micro_batch / c.step_s)
+    from hp_rewrite.cost.timing import tp_collective_time
+
+    tp_s = sum(tp_collective_time(lay.tp_forward_bytes, c.tp, hw) + tp_collective_time(lay.tp_backward_bytes, c.tp, hw)
+               for lay in c.cost.layers)
+    assert 0 < tp_s <= c.time.comm  # its collectives are in the step
 
 
 def test_data_parallel_states_and_traffic_by_hand() -> None:

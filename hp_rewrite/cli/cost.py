@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,16 @@ class CostArgs:
     json: bool
     calibrate: bool
     out: Path | None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not sizes or any(x < 1 for x in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be >= 1")
+    return sizes
 
 
 def register(sub) -> None:
@@ -33,7 +44,11 @@ def register(sub) -> None:
     co.add_argument(
         "--etp", type=int, default=1, help="expert tensor parallel (divides expert FLOPs/weights)"
     )
-    co.add_argument("--tp", type=int, default=1, help="tensor parallel (used for experts when --etp is 1)")
+    co.add_argument("--tp", type=int, default=None,
+                    help="tensor parallel: a TP group shares one micro-batch, each rank routes 1/tp of its "
+                    "tokens to complete experts (default: the plan's tp_size)")
+    co.add_argument("--tp-sizes", type=_sizes, default=None,
+                    help="with --suggest: the TP degrees to rank too, e.g. 1,2,4 (default: --tp only)")
     co.add_argument("--cp", type=int, default=1, help="context parallel (divides the tokens of a rank)")
     co.add_argument("--world-size", type=int, default=None, help="ranks in all (EP x DP), for --suggest")
     co.add_argument(

@@ -21,14 +21,18 @@ SIDE_BYTES = 4  # dedup: each row's routing weights and local expert ids travel 
 
 @dataclass(frozen=True)
 class Parallel:
-    """ep: expert parallel; etp / tp: expert tensor parallel / tensor parallel (the seed's t_exp =
-    etp if etp > 1 else tp; the runtime implements neither, they only divide expert FLOPs and
-    weights here); cp: context parallel (divides the tokens of a rank)."""
+    """ep: expert parallel; tp: hp-rewrite's tensor parallelism (the plan's ``tp_size``: a TP group of
+    ``tp`` ranks shares one micro-batch, splits the shared expert and the dense parts, and each rank
+    routes ``1/tp`` of the group's tokens to complete experts over the TP-extended EP group);
+    sequence_parallel: the plan's; etp: expert tensor parallel (the seed's, not implemented by the
+    runtime: it only divides expert FLOPs and weights here); cp: context parallel (divides the tokens
+    of a rank)."""
 
     ep: int = 1
     etp: int = 1
     tp: int = 1
     cp: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("ep", "etp", "tp", "cp"):
@@ -38,7 +42,9 @@ class Parallel:
 
     @property
     def t_exp(self) -> int:
-        return self.etp if self.etp > 1 else self.tp
+        """What divides an expert's FLOPs and weights: only expert tensor parallelism (TP never splits
+        experts: MindSpeed's TP-extend-EP, Megatron's etp=1)."""
+        return self.etp
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,8 @@ class LayerCost:
     exchange: Exchange
     memory: LayerMemory
     shared_overlaps_dispatch: bool
+    tp_forward_bytes: float = 0.0  # sent by this rank in the layer's TP collectives, forward
+    tp_backward_bytes: float = 0.0  # ... and backward
 
     @property
     def step_flops(self) -> float:
@@ -293,11 +301,10 @@ def _activations(lay: MoELayerSpec, tokens: float, rows: float, act: int) -> flo
 def _memory(
     lay: MoELayerSpec, par: Parallel, prec: Precision, local: int, tokens: float, rows: float
 ) -> LayerMemory:
-    t = par.t_exp
-    expert = local * lay.routed.params / t
+    expert = local * lay.routed.params / par.t_exp
     replicated = (
         lay.router_params
-        + (lay.shared.params / t if lay.shared else 0)
+        + (lay.shared.params / max(par.tp, par.t_exp) if lay.shared else 0)
         + (lay.hidden + 1 if lay.shared_gate else 0)
         + lay.zero_params  # the zero experts' unused rows, on every rank
     )
@@ -324,7 +331,8 @@ def layer_cost(
     """Cost of one MoE layer on EP rank ``rank`` (None: the busiest rank)."""
     prec = prec or Precision()
     knobs = knobs or Knobs()
-    tokens, k, ep = work.tokens(par.cp), lay.top_k, par.ep
+    group_tokens, k, ep = work.tokens(par.cp), lay.top_k, par.ep
+    tokens = group_tokens / par.tp  # this rank's share of its TP group's tokens: what it dispatches
     loads = rank_loads(histogram, lay.num_experts, ep, tokens, k, knobs.capacity_factor,
                        knobs.owners(lay.path, lay.num_experts, ep), lay.zero_experts)
     r = loads.busiest_rank if rank is None else rank
@@ -334,11 +342,12 @@ def layer_cost(
     row_bytes = lay.hidden * prec.act
     dedup = knobs.dedup and ep > 1
     fwd = LayerFlops(
-        router=formulas.router_flops(tokens, lay.hidden, lay.num_experts + lay.zero_experts),
+        # every rank of a TP group routes all its tokens (whole router gradients, no reduction)
+        router=formulas.router_flops(group_tokens, lay.hidden, lay.num_experts + lay.zero_experts),
         routed=formulas.expert_flops(rows, lay.routed, par.t_exp),
         # dedup: the owning rank weights and adds its received (row, expert) outputs
         combine=2.0 * rows * lay.hidden if dedup else formulas.combine_flops(tokens, k, lay.hidden),
-        shared=formulas.shared_flops(tokens, lay.shared, lay.shared_gate, par.t_exp),
+        shared=formulas.shared_flops(group_tokens, lay.shared, lay.shared_gate, max(par.tp, par.t_exp)),
     )
     counts = COUNT_BYTES * knobs.chunks * (lay.num_experts + (ep if dedup else 0)) if ep > 1 else 0
     if dedup:  # one row per (token, destination rank), carrying 2k float32 side columns
@@ -375,7 +384,22 @@ def layer_cost(
         exchange=exchange,
         memory=_memory(lay, par, prec, local, tokens, rows),
         shared_overlaps_dispatch=lay.shared_overlaps_dispatch,
+        **_tp_bytes(lay, par, group_tokens * lay.hidden * prec.act),
     )
+
+
+def _tp_bytes(lay: MoELayerSpec, par: Parallel, block_bytes: float) -> dict[str, float]:
+    """Bytes this rank sends in the MoE layer's TP collectives (ring: ``(tp - 1) / tp`` of the tensor
+    per all-gather, twice that per all-reduce), forward and backward. ``block_bytes``: the layer's
+    ``[tokens, hidden]`` of its TP group. Forward: the routed output gathered; under SP the input
+    gathered too; the shared expert's output all-reduced. Backward: the shares' gradients gathered
+    (and under SP the output's, and the saved input chunk gathered again); the shared expert's input
+    gradient all-reduced."""
+    if par.tp == 1:
+        return {}
+    unit = block_bytes * (par.tp - 1) / par.tp
+    sp, shared = int(par.sequence_parallel), 2 * int(lay.shared is not None)
+    return {"tp_forward_bytes": unit * (1 + sp + shared), "tp_backward_bytes": unit * (1 + 2 * sp + shared)}
 
 
 def estimate(

@@ -1,4 +1,4 @@
-"""Rank every feasible EP degree for a world size by estimated step time, memory-checked.
+"""Rank every feasible EP (and TP) degree for a world size by estimated throughput, memory-checked.
 
 Feasible: ``ep`` divides the world size and every costed layer's number of experts. Each candidate
 is costed on its busiest rank (skew-aware when histograms are given: a skewed histogram loads the
@@ -32,6 +32,14 @@ class Candidate:
     feasible: bool
     reason: str = ""
     data_parallel: DataParallelCost | None = None  # whole-model states and DP traffic (--non-expert)
+    tp: int = 1
+    world: int = 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The world's tokens per second: ``world / tp`` micro-batches (a TP group shares one) per step."""
+        w = self.cost.workload
+        return (self.world // self.tp) * w.seq_len * w.micro_batch / self.step_s if self.step_s else float("inf")
 
     @property
     def dp_exposed_s(self) -> float:
@@ -64,22 +72,31 @@ def suggest(
     histograms: Histograms | None = None,
     reserve_bytes: float = 0.0,
     non_expert: str | None = None,
+    tp_sizes: tuple[int, ...] | None = None,
 ) -> list[Candidate]:
-    """Every EP degree that fits ``world_size`` and the experts, best first.
+    """Every (EP, TP) layout that fits ``world_size`` and the experts, best first (by the world's
+    tokens per second: a TP group shares one micro-batch).
 
-    ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole model's states and its
-    data-parallel collectives (:mod:`.sharding`); None costs the MoE layers' states only, as before.
+    ``tp_sizes``: the TP degrees to try (default: ``base.tp`` only); one of ep and tp must divide the
+    other, as the runtime requires. ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole
+    model's states and its data-parallel collectives (:mod:`.sharding`); None costs the MoE layers'
+    states only, as before.
     """
     if world_size < 1:
         raise ValueError(f"world size {world_size}: must be >= 1")
     base = base or Parallel()
     capacity = hw.memory_bytes - reserve_bytes
     out = []
-    for ep in feasible_eps(spec, world_size):
-        cost = estimate(spec, replace(base, ep=ep), work, prec, knobs, histograms)
-        dp = None if non_expert is None else data_parallel_cost(cost, world_size, non_expert, hw, prec)
-        mem = cost.memory if dp is None else sum(c.memory.activations for c in cost.layers) + dp.state_bytes
-        fits = mem <= capacity
-        why = "" if fits else f"needs {mem / 1e9:.1f} GB/rank > {capacity / 1e9:.1f} GB"
-        out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why, dp))
-    return sorted(out, key=lambda c: (not c.feasible, c.step_s if c.feasible else c.memory_bytes, c.ep))
+    for tp in tp_sizes or (base.tp,):
+        if world_size % tp:
+            continue
+        for ep in feasible_eps(spec, world_size):
+            if max(ep, tp) % min(ep, tp):
+                continue
+            cost = estimate(spec, replace(base, ep=ep, tp=tp), work, prec, knobs, histograms)
+            dp = None if non_expert is None else data_parallel_cost(cost, world_size, non_expert, hw, prec)
+            mem = cost.memory if dp is None else sum(c.memory.activations for c in cost.layers) + dp.state_bytes
+            fits = mem <= capacity
+            why = "" if fits else f"needs {mem / 1e9:.1f} GB/rank > {capacity / 1e9:.1f} GB"
+            out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why, dp, tp, world_size))
+    return sorted(out, key=lambda c: (not c.feasible, -c.tokens_per_s if c.feasible else c.memory_bytes, c.ep, c.tp))

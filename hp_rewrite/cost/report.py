@@ -140,18 +140,20 @@ def time_line(st: StepTime, hw: Hardware) -> str:
 def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Table:
     table = Table(
         title=f"EP degrees for world size {world_size} on {hw.name} (fwd+bwd of the MoE layers, "
-        "busiest rank, per micro-batch)"
+        "busiest rank, per micro-batch of a TP group; ranked by the world's tokens/s)"
     )
     for col in (
         "#",
         "ep",
+        "tp",
         "E/rank",
         "dp",
         "max imb.",
         "compute ms",
-        "a2a ms",
+        "a2a+tp ms",
         "exposed ms",
         "step ms",
+        "tokens/s",
         "mem GB/rank",
         "fits",
         "bound",
@@ -169,6 +171,7 @@ def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Tabl
         row = [
             str(i),
             str(c.ep),
+            str(c.tp),
             "/".join(str(x) for x in sorted(local)),
             str(world_size // c.ep),
             f"{c.cost.max_imbalance:.3g}",
@@ -176,6 +179,7 @@ def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Tabl
             _ms(c.time.comm),
             _ms(c.time.exposed_comm),
             _ms(c.step_s),
+            f"{c.tokens_per_s:.3g}",
             _gb(c.memory_bytes),
             "yes" if c.feasible else f"no: {c.reason}",
             c.bound,

@@ -28,9 +28,10 @@ class CostRequest:
     micro_batch: int | None
     ep: int | None = None
     etp: int = 1
-    tp: int = 1
+    tp: int | None = None  # None: the plan's tp_size
     cp: int = 1
     world_size: int | None = None
+    tp_sizes: tuple[int, ...] | None = None  # --suggest: the TP degrees to rank (default: tp only)
     suggest: bool = False
     tokens_per_expert: Path | None = None
     hardware: str | None = None
@@ -73,7 +74,8 @@ class CostReport:
 
 
 def _candidate_json(c) -> dict:
-    row = {"ep": c.ep, "feasible": c.feasible, "reason": c.reason, "step_s": c.time.total,
+    row = {"ep": c.ep, "tp": c.tp, "tokens_per_s": c.tokens_per_s, "feasible": c.feasible, "reason": c.reason,
+           "step_s": c.time.total,
            "compute_s": c.time.compute, "comm_s": c.time.comm, "exposed_comm_s": c.time.exposed_comm,
            "memory_bytes": c.memory_bytes, "max_imbalance": c.cost.max_imbalance, "bound": c.bound}
     if c.data_parallel is not None:
@@ -128,7 +130,8 @@ def estimate_cost(req: CostRequest) -> CostReport:
             f"{req.model_dir}: no MoE layer selected by the plan (found none, or all excluded/unmatched)"
         )
     try:
-        par = Parallel(ep=req.ep or plan.ep_size, etp=req.etp, tp=req.tp, cp=req.cp)
+        par = Parallel(ep=req.ep or plan.ep_size, etp=req.etp, tp=req.tp or plan.tp_size, cp=req.cp,
+                       sequence_parallel=plan.sequence_parallel and (req.tp or plan.tp_size) > 1)
     except ValueError as e:
         raise UserError(str(e)) from e
     bad = sorted({lay.num_experts for lay in spec.layers if lay.num_experts % par.ep})
@@ -151,9 +154,11 @@ def estimate_cost(req: CostRequest) -> CostReport:
     if req.suggest:
         if not req.world_size:
             raise UserError("--suggest needs --world-size W (the ranks to split into EP x DP)")
-        cands = suggest(spec, req.world_size, work, hw, par, prec, knobs, hist, reserve, req.non_expert)
+        cands = suggest(spec, req.world_size, work, hw, par, prec, knobs, hist, reserve, req.non_expert,
+                        req.tp_sizes)
         if not cands:
-            raise UserError(f"no ep divides both the world size {req.world_size} and the experts")
+            raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))}) divides both the world "
+                            f"size {req.world_size} and the experts")
     return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep))
 
 

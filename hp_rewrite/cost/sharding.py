@@ -62,19 +62,23 @@ def data_parallel_cost(cost: ModelCost, world: int, mode: str, hw: Hardware,
         raise ValueError(f"world size {world} is not a multiple of ep {ep}")
     prec = prec or cost.precision
     replicas = world // ep
+    tp = cost.parallel.tp
+    dense = world // tp  # the ranks holding the same TP shard of a dense weight
     per_param = prec.state_bytes
     expert_params = sum(c.memory.expert_params for c in cost.layers) / prec.param  # this EP rank's
-    other_params = cost.other_params + sum(c.memory.replicated_params for c in cost.layers) / prec.param
+    # with tp the dense weights are split over the TP group (embeddings and norms counted as split too:
+    # an upper bound on what tp saves); the routers' and shared experts' are already this rank's share
+    other_params = cost.other_params / tp + sum(c.memory.replicated_params for c in cost.layers) / prec.param
     if mode == "fully_shard":
         expert_states = expert_params * per_param / replicas
-        other_states = other_params * per_param / world
+        other_states = other_params * per_param / dense
         gathered = 2 * prec.param  # all-gather in forward and again in backward
         expert_bytes = (gathered + prec.grad) * expert_params * (replicas - 1) / replicas
-        other_bytes = (gathered + prec.grad) * other_params * (world - 1) / world
+        other_bytes = (gathered + prec.grad) * other_params * (dense - 1) / dense
     else:
         expert_states = expert_params * per_param
         other_states = other_params * per_param
         expert_bytes = 2 * prec.grad * expert_params * (replicas - 1) / replicas
-        other_bytes = 2 * prec.grad * other_params * (world - 1) / world
-    seconds = _collective_time(expert_bytes, replicas, hw) + _collective_time(other_bytes, world, hw)
+        other_bytes = 2 * prec.grad * other_params * (dense - 1) / dense
+    seconds = _collective_time(expert_bytes, replicas, hw) + _collective_time(other_bytes, dense, hw)
     return DataParallelCost(mode, world, ep, expert_states, other_states, expert_bytes + other_bytes, seconds)

@@ -10,7 +10,8 @@ Forward follows the runtime's schedule (``hp_rewrite/runtime/dispatch.py``): rou
 (blocking: one host sync), every chunk's dispatch issued at once on the link, the shared expert
 computed meanwhile (block-level archetypes only), then per chunk the expert GEMMs as soon as its
 rows arrived and its combine queued on the link behind the dispatches, finally the weighted sum.
-Backward is twice the compute plus both reverse exchanges, with no overlap modelled. The runtime
+Backward is twice the compute plus both reverse exchanges, with no overlap modelled. With ``tp > 1``
+the MoE layer's TP collectives (``LayerCost.tp_*_bytes``) add to forward and backward, unhidden. The runtime
 issues them asynchronously, overlapping whatever autograd runs in between, so this is an upper bound.
 Each layer is costed at its busiest rank. Neither ``runtime.defer_expert_grads`` (which lets a
 waiting rank compute weight gradients) nor the ``Interleaver`` is modelled.
@@ -85,7 +86,18 @@ def forward_schedule(
     return max(link, compute) + combine_mm
 
 
-def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap: bool = True) -> LayerTime:
+def tp_collective_time(sent_bytes: float, tp: int, hw: Hardware) -> float:
+    """Ring collectives moving ``sent_bytes`` off this rank within its TP group (consecutive ranks: one
+    node when ``tp <= devices_per_node``), latency counted once per peer step."""
+    if tp <= 1 or sent_bytes <= 0:
+        return 0.0
+    inside = tp <= hw.devices_per_node
+    alpha, beta = (hw.alpha_s, hw.beta_Bps) if inside else (hw.alpha_inter_s, hw.beta_inter_Bps)
+    return alpha * (tp - 1) + sent_bytes / beta
+
+
+def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap: bool = True,
+               tp: int = 1) -> LayerTime:
     f, flops = cost.forward, hw.achieved_flops
     router, shared, experts, combine_mm = (
         f.router / flops,
@@ -106,9 +118,12 @@ def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap:
         cost.shared_overlaps_dispatch,
     )
     a2a = a2a_dispatch + a2a_combine
-    bwd = 2 * (router + shared + experts + combine_mm) + a2a
+    # TP collectives (gathers, the shared expert's all-reduce): on the critical path, not overlapped
+    tp_fwd = tp_collective_time(cost.tp_forward_bytes, tp, hw)
+    tp_bwd = tp_collective_time(cost.tp_backward_bytes, tp, hw)
+    bwd = 2 * (router + shared + experts + combine_mm) + a2a + tp_bwd
     compute = 3 * (router + shared + experts + combine_mm)
-    return LayerTime(compute=compute, comm=counts + 2 * a2a, forward=fwd, backward=bwd)
+    return LayerTime(compute=compute, comm=counts + 2 * a2a + tp_fwd + tp_bwd, forward=fwd + tp_fwd, backward=bwd)
 
 
 @dataclass(frozen=True)
@@ -125,5 +140,6 @@ class StepTime:
 
 
 def step_time(cost: ModelCost, hw: Hardware) -> StepTime:
-    times = [layer_time(c, hw, cost.parallel.ep, cost.knobs.chunks, cost.knobs.overlap) for c in cost.layers]
+    times = [layer_time(c, hw, cost.parallel.ep, cost.knobs.chunks, cost.knobs.overlap, cost.parallel.tp)
+             for c in cost.layers]
     return StepTime(sum(t.compute for t in times), sum(t.comm for t in times), sum(t.total for t in times))
