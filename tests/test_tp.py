@@ -19,11 +19,14 @@ LAYOUTS = [(2, 2), (4, 2), (4, 4)]  # (ep_size, tp_size) on 4 ranks: tp2 x dp2 w
 CASES = [dict(id=f"{m}-ep{e}-tp{t}" + ("-sp" if sp else ""), model_type=m, ep=e, tp=t, sp=sp)
          for m in ("qwen3_moe", "deepseek_v3", "qwen2_moe") for e, t in LAYOUTS for sp in (False, True)]
 EXTRA = [dict(id="bf16-qwen2_moe-ep4-tp2-sp", model_type="qwen2_moe", ep=4, tp=2, sp=True, bf16=True),
-         dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True)]
+         dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True),
+         dict(id="user-mesh", model_type="qwen3_moe", ep=4, tp=2, sp=True, user_mesh=True)]
 REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv_heads=2),
             dict(id="odd-sequence", model_type="qwen3_moe", ep=2, tp=2, sp=True, seq=7),
             dict(id="ddp", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="ddp"),
-            dict(id="trainer", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="trainer")]
+            dict(id="trainer", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="trainer"),
+            dict(id="mesh-order", model_type="qwen3_moe", ep=2, tp=2, sp=False, mesh=((2, 2), ("tp", "dp"))),
+            dict(id="mesh-size", model_type="qwen3_moe", ep=2, tp=2, sp=False, mesh=((1, 4), ("dp", "tp")))]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,15 @@ def test_tp_ep_equals_unmodified(world, case) -> None:
         assert r["logits"] <= TOL, f"rank {rank}: logits off by {r['logits']:.2e}"
         assert r["grad"] <= TOL, f"rank {rank}: gradient of {r['grad_name']} off by {r['grad']:.2e}"
         assert r["dtensors"] > 0  # the dense parts really are split
+
+
+def test_the_users_mesh(world) -> None:
+    """A ("dp", "tp") mesh of the user's is used as it is; one that does not fit the plan is refused."""
+    for rank, results in enumerate(world):
+        r = results["user-mesh"]
+        assert r["logits"] <= TOL and r["grad"] <= TOL, (rank, r)
+        assert "'tp' last" in results["mesh-order"], results["mesh-order"]
+        assert "tp_size=2" in results["mesh-size"] and "4 ranks" in results["mesh-size"], results["mesh-size"]
 
 
 def test_bf16_within_tolerance(world) -> None:

@@ -59,7 +59,14 @@ def _case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     ref = reference(model_type, dtype)
     plan = parse_plan(f"version: 1\nep_size: {ep_size}\ntp_size: {tp_size}\n"
                       f"sequence_parallel: {'true' if sp else 'false'}\n")
-    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(out_dir))
+    mesh = None
+    if case.get("user_mesh"):  # the user's ("dp", "tp") mesh, checked against the plan
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(out_dir), mesh=mesh)
+    if mesh is not None and model.hp_rewrite.ep.tp_mesh is not mesh:
+        raise AssertionError("the user's mesh was not used")
     if case.get("double_shared"):  # a caller reducing the shared expert's output again: must be caught
         for m in model.modules():
             if hasattr(m, "shared_experts"):
@@ -98,7 +105,13 @@ def _refusal(case: dict, out_dir: str) -> str:
             ref.config.num_key_value_heads = case["kv_heads"]
         plan = parse_plan(f"version: 1\nep_size: {case['ep']}\ntp_size: {case['tp']}\n"
                           f"sequence_parallel: {'true' if case['sp'] else 'false'}\n")
-        model = rewrite_model(ref, plan, artifact_dir=Path(out_dir))
+        mesh = None
+        if case.get("mesh"):  # a user's mesh that does not fit the plan
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape, names = case["mesh"]
+            mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+        model = rewrite_model(ref, plan, artifact_dir=Path(out_dir), mesh=mesh)
         if case.get("engine") == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         elif case.get("engine") == "trainer":
