@@ -33,8 +33,10 @@ def test_the_engines_really_ran(world) -> None:
 
 def test_checkpoints_and_saved_models(world) -> None:
     for rank, r in enumerate(world):
-        for key in ("dcp_ep2", "dcp_ep4", "saved", "load_state_dict"):
+        for key in ("dcp_ep2", "dcp_ep4", "saved", "load_state_dict", "from_pretrained"):
             assert r[key] <= TOL, f"rank {rank}: {key} logits off by {r[key]:.2e}"
+        assert r["from_pretrained_split"]
+        assert "load_fully_sharded" in r["load_fully_sharded"] and "from_pretrained" in r["load_fully_sharded"]
 
 
 def test_generate(world) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import hp_rewrite
 from hp_rewrite.errors import UserError
@@ -102,7 +103,6 @@ def compose(rank: int, world: int, payload: dict) -> dict:
     ref, model = copy.deepcopy(base), rewrite_model(copy.deepcopy(base), _plan(2), artifact_dir=art)
     hp_rewrite.fully_shard(model)
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     q = model.model.layers[0].self_attn.q_proj.weight  # FSDP2 over dp, DTensor TP within: a 2-D DTensor
     result["fsdp_2d"] = (isinstance(model, FSDPModule) and isinstance(q, DTensor)
@@ -135,6 +135,17 @@ def compose(rank: int, world: int, payload: dict) -> dict:
     plain = AutoModelForCausalLM.from_pretrained(out_dir / "saved")
     with torch.no_grad():
         result["saved"] = (plain(input_ids=probe).logits - expected).abs().max().item()
+    # from_pretrained under a TP plan: only this rank's experts read, the dense parts split after
+    loaded = hp_rewrite.from_pretrained(out_dir / "saved", plan=_plan(2), artifact_dir=art)
+    with torch.no_grad():
+        result["from_pretrained"] = (loaded(input_ids=probe).logits - expected).abs().max().item()
+    result["from_pretrained_split"] = loaded.hp_rewrite.tensor is not None and any(
+        isinstance(p, DTensor) for p in loaded.parameters())
+    try:
+        hp_rewrite.load_fully_sharded(out_dir / "saved", plan=_plan(2), artifact_dir=art)
+        result["load_fully_sharded"] = ""
+    except UserError as e:
+        result["load_fully_sharded"] = str(e)
     # a full checkpoint into a TP model by load_state_dict: every rank keeps its shards
     fresh = rewrite_model(copy.deepcopy(base), _plan(2), artifact_dir=art)
     fresh.load_state_dict(plain.state_dict())

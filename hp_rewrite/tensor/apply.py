@@ -110,10 +110,14 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
         mixer = model.get_submodule(path)
         mixer.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
         mixer.register_forward_hook(leave)
+    def leave_block(module, args, out):  # the MoE block keeps this rank's chunk of its output
+        regather.leave()
+        return _replace_first(out, edge.share(_first(out)))
+
     for path in layout.moe:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
-        block.register_forward_hook(lambda m, a, out: (regather.leave(), _replace_first(out, edge.share(_first(out))))[1])
+        block.register_forward_hook(leave_block)
     first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
 
     def enter(hidden):

@@ -93,6 +93,11 @@ def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | N
     ``dtype`` and ``attn_implementation`` default to ``from_pretrained``'s: the checkpoint's dtype and
     transformers' attention choice; ``trust_remote_code`` as ``from_pretrained``'s."""
     plan = resolve_plan(plan)
+    if plan.tp_size > 1:
+        raise ExpertParallelError(
+            f"load_fully_sharded with tp_size {plan.tp_size} is not supported: load with hp_rewrite.from_pretrained "
+            "(each rank reads only its experts), then call hp_rewrite.fully_shard(model)"
+        )
     ep = expert_parallel_group_for(plan, mesh)
     if ep.mesh is None:
         raise ExpertParallelError("load_fully_sharded needs torch.distributed initialised (launch with torchrun)")
