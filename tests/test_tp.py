@@ -18,6 +18,10 @@ BF16_TOL = 3e-2
 LAYOUTS = [(2, 2), (4, 2), (4, 4)]  # (ep_size, tp_size) on 4 ranks: tp2 x dp2 with EP 2 and 4, tp4 with EP 4
 CASES = [dict(id=f"{m}-ep{e}-tp{t}" + ("-sp" if sp else ""), model_type=m, ep=e, tp=t, sp=sp)
          for m in ("qwen3_moe", "deepseek_v3", "qwen2_moe") for e, t in LAYOUTS for sp in (False, True)]
+# more families, one layout each: per-head norms after the head transpose (HunYuan), an additive shared
+# expert with GQA (GLM-4.5), no shared expert and no head norms (Mixtral)
+CASES += [dict(id=f"{m}-ep{e}-tp2-sp", model_type=m, ep=e, tp=2, sp=True)
+          for m, e in (("hunyuan_v1_moe", 4), ("glm4_moe", 4), ("mixtral", 2))]
 EXTRA = [dict(id="bf16-qwen2_moe-ep4-tp2-sp", model_type="qwen2_moe", ep=4, tp=2, sp=True, bf16=True),
          dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True),
          dict(id="user-mesh", model_type="qwen3_moe", ep=4, tp=2, sp=True, user_mesh=True)]

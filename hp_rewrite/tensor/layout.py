@@ -183,8 +183,9 @@ def _attention_styles(model, path: str, hf_plan, prefix, layout: TensorLayout, t
             "head perhaps; hp-rewrite cannot split them over the TP group; use tp_size: 1 for this model"
         )
     mla = _linear(getattr(attn, "kv_b_proj", None))
+    head_dim = getattr(attn, "head_dim", None)
     for n, child in attn.named_children():
-        style = _planned(f"{path}.{n}", hf_plan, prefix) or _structural(n, child, mla)
+        style = _planned(f"{path}.{n}", hf_plan, prefix) or _structural(n, child, mla, head_dim)
         if style is None and any(True for _ in child.parameters()) and n not in _MLA_WHOLE:
             raise TensorParallelError(
                 f"tp_size > 1: {path}.{n} ({type(child).__name__}) is neither split nor known to be safe to keep "
@@ -199,7 +200,7 @@ def _attention_styles(model, path: str, hf_plan, prefix, layout: TensorLayout, t
             layout.rope_width[f"{path}.{n}"] = width
 
 
-def _structural(name: str, child: nn.Module, mla: bool) -> str | None:
+def _structural(name: str, child: nn.Module, mla: bool, head_dim: int | None) -> str | None:
     """The style of an attention child by its role (where transformers' plan does not name it)."""
     if name in ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"):
         return COLWISE
@@ -207,8 +208,10 @@ def _structural(name: str, child: nn.Module, mla: bool) -> str | None:
         return ROWWISE
     if name == "kv_a_proj_with_mqa" and mla:
         return MLA_ROPE
-    if name in ("q_norm", "k_norm") and _is_norm(child):
-        return HEAD_NORM
+    if name in _MLA_WHOLE:
+        return None
+    if _is_norm(child) and all(p.numel() == head_dim for p in child.parameters()):
+        return HEAD_NORM  # q_norm / k_norm, query_layernorm / key_layernorm: one head's features
     return None
 
 
