@@ -121,7 +121,9 @@ def _refusal(case: dict, out_dir: str) -> str:
 
             args = TrainingArguments(output_dir=str(Path(out_dir) / "trainer"), report_to=[], use_cpu=True)
             hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
-        model(input_ids=torch.zeros(1, case.get("seq", SEQ), dtype=torch.long))
+        rank = torch.distributed.get_rank()
+        ids = torch.full((1, case.get("seq", SEQ)), rank if case.get("engine") == "batch_per_rank" else 0)
+        model(input_ids=ids)
     except UserError as e:
         return str(e)
     return ""

@@ -57,6 +57,22 @@ class _Boundary:
                 "(generate's decode steps hold one token: generate with a plan without sequence_parallel)"
             )
 
+    def check_same_batch(self, hidden: torch.Tensor) -> None:
+        """The ranks of a TP group must hold one batch; a sampler over the world gives each its own,
+        which would run without an error and train on a mix. Compared once, at the first forward."""
+        import torch.distributed as dist
+
+        mine = torch.stack([hidden.detach().double().sum(), hidden.detach().double().square().sum(),
+                            torch.tensor(float(hidden.numel()), dtype=torch.float64, device=hidden.device)])
+        seen = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(seen, mine, group=self.group)
+        if not all(torch.allclose(s, seen[0], rtol=1e-9, atol=0.0) for s in seen):
+            raise TensorParallelError(
+                "tp_size > 1: the ranks of a TP group got different batches; give the tp_size consecutive ranks "
+                "of a group the same batch (their data-parallel rank is rank // tp_size, e.g. a DistributedSampler "
+                "with num_replicas=world_size // tp_size, rank=rank // tp_size)"
+            )
+
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:
         return tokens.gather(hidden, self.group, self.rank, self.size, hidden.shape[SEQ] * self.size, SEQ)
 
@@ -92,9 +108,22 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
             parallelize_module(module, mesh, SequenceParallel(sequence_dim=2, use_local_output=True))
         elif style == MLA_ROPE:
             module.register_forward_hook(_rope_grads(mesh.get_group(), layout.rope_width[path]))
+    edge, checked = _Boundary(mesh), []
+    first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
+
+    def enter(hidden):
+        if not checked:
+            edge.check_same_batch(hidden)
+            checked.append(True)
+        if not sequence_parallel:
+            return hidden
+        edge.check(hidden, layout.layers[0])
+        return edge.share(hidden)
+
+    first.register_forward_pre_hook(_on_hidden(enter), with_kwargs=True)
     if not sequence_parallel:
         return
-    edge, regather = _Boundary(mesh), Regather()
+    regather = Regather()
     for path in layout.norms:
         parallelize_module(model.get_submodule(path), mesh, SequenceParallel(sequence_dim=SEQ, use_local_output=True))
 
@@ -118,13 +147,6 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
         block.register_forward_hook(leave_block)
-    first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
-
-    def enter(hidden):
-        edge.check(hidden, layout.layers[0])
-        return edge.share(hidden)
-
-    first.register_forward_pre_hook(_on_hidden(enter), with_kwargs=True)
     last.register_forward_hook(lambda m, a, out: _replace_first(out, edge.gather(_first(out))))
 
 
