@@ -22,6 +22,9 @@ CASES = [dict(id=f"{m}-ep{e}-tp{t}" + ("-sp" if sp else ""), model_type=m, ep=e,
 # expert with GQA (GLM-4.5), no shared expert and no head norms (Mixtral)
 CASES += [dict(id=f"{m}-ep{e}-tp2-sp", model_type=m, ep=e, tp=2, sp=True)
           for m, e in (("hunyuan_v1_moe", 4), ("glm4_moe", 4), ("mixtral", 2))]
+# a TP group wider than the EP group: TP alone (EP 1, every rank all experts), and tp 4 over two EP groups
+CASES += [dict(id="qwen3_moe-ep1-tp2-sp", model_type="qwen3_moe", ep=1, tp=2, sp=True),
+          dict(id="qwen2_moe-ep2-tp4", model_type="qwen2_moe", ep=2, tp=4, sp=False)]
 EXTRA = [dict(id="bf16-qwen2_moe-ep4-tp2-sp", model_type="qwen2_moe", ep=4, tp=2, sp=True, bf16=True),
          dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True),
          dict(id="user-mesh", model_type="qwen3_moe", ep=4, tp=2, sp=True, user_mesh=True)]
