@@ -159,10 +159,14 @@ def compose(rank: int, world: int, payload: dict) -> dict:
     want = base.eval().generate(prompt, max_new_tokens=6, do_sample=False)
     got = model.generate(prompt, max_new_tokens=6, do_sample=False)
     result["generate"] = bool(torch.equal(want, got))
+    # with sequence parallelism: the prompt (4 tokens) sequence-sharded, the decode steps replicated
     sp_model = rewrite_model(copy.deepcopy(base).eval(), _plan(2), artifact_dir=art)
-    try:
-        sp_model.generate(batches[0][:1, :4], max_new_tokens=2, do_sample=False)
-        result["generate_sp"] = ""
+    prompt = batches[0][:1, :4]
+    result["generate_sp"] = bool(torch.equal(base.generate(prompt, max_new_tokens=6, do_sample=False),
+                                             sp_model.generate(prompt, max_new_tokens=6, do_sample=False)))
+    try:  # training on a sequence the group cannot split is still refused
+        sp_model.train()(input_ids=batches[0][:1, :5])
+        result["odd_training"] = ""
     except UserError as e:
-        result["generate_sp"] = str(e)
+        result["odd_training"] = str(e)
     return result

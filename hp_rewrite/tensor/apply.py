@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -54,7 +54,7 @@ class _Boundary:
             raise TensorParallelError(
                 f"sequence_parallel: the sequence length {hidden.shape[SEQ]} at {where} is not divisible by "
                 f"tp_size {self.size}; pad the batch to a multiple of tp_size, or set sequence_parallel: false "
-                "(generate's decode steps hold one token: generate with a plan without sequence_parallel)"
+                "(without gradients, as in generate, such a sequence runs with the residual stream replicated)"
             )
 
     def check_same_batch(self, hidden: torch.Tensor) -> None:
@@ -97,57 +97,75 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
     if sequence_parallel:  # a mixer's row-parallel output goes back onto this rank's sequence chunk
         reduce_scattered = {p for m in layout.mixers for p, s in layout.styles.items()
                             if s == ROWWISE and p.startswith(m + ".")}
+    edge, state = _Boundary(mesh), {"checked": False, "sharded": False}
     for path, style in layout.styles.items():
         module = model.get_submodule(path)
         if style == COLWISE:
             parallelize_module(module, mesh, ColwiseParallel())
+        elif style == ROWWISE and path in reduce_scattered:  # the partial sums, placed per forward below
+            parallelize_module(module, mesh, RowwiseParallel(output_layouts=Partial(), use_local_output=False))
+            module.register_forward_hook(lambda m, a, out: out.redistribute(
+                out.device_mesh, [Shard(SEQ) if state["sharded"] else Replicate()]).to_local())
         elif style == ROWWISE:
-            parallelize_module(module, mesh, RowwiseParallel(
-                output_layouts=Shard(SEQ) if path in reduce_scattered else Replicate()))
+            parallelize_module(module, mesh, RowwiseParallel(output_layouts=Replicate()))
         elif style == HEAD_NORM:  # fed this rank's heads (dim 2 of [B, S, heads, head_dim])
             parallelize_module(module, mesh, SequenceParallel(sequence_dim=2, use_local_output=True))
         elif style == MLA_ROPE:
             module.register_forward_hook(_rope_grads(mesh.get_group(), layout.rope_width[path]))
-    edge, checked = _Boundary(mesh), []
     first, last = model.get_submodule(layout.layers[0]), model.get_submodule(layout.layers[-1])
 
     def enter(hidden):
-        if not checked:
+        if not state["checked"]:
             edge.check_same_batch(hidden)
-            checked.append(True)
-        if not sequence_parallel:
+            state["checked"] = True
+        # a sequence the group cannot split (generate's one-token decode steps) runs with the residual
+        # stream replicated; only without gradients: the norms' would then be summed tp times
+        state["sharded"] = sequence_parallel and not (hidden.shape[SEQ] % edge.size and not torch.is_grad_enabled())
+        if not state["sharded"]:
             return hidden
         edge.check(hidden, layout.layers[0])
         return edge.share(hidden)
 
     first.register_forward_pre_hook(_on_hidden(enter), with_kwargs=True)
-    if not sequence_parallel:
-        return
+    if sequence_parallel:
+        _sequence_boundaries(model, layout, mesh, edge, state, last)
+
+
+def _sequence_boundaries(model: nn.Module, layout: TensorLayout, mesh, edge: _Boundary, state: dict,
+                         last: nn.Module) -> None:
+    """The norms sequence-sharded; attention, MLPs and the MoE block gather on entry (keeping a chunk
+    for backward) and give back their chunk; the last layer gathers for the head."""
     regather = Regather()
     for path in layout.norms:
         parallelize_module(model.get_submodule(path), mesh, SequenceParallel(sequence_dim=SEQ, use_local_output=True))
 
     def gather_in(hidden):
+        if not state["sharded"]:
+            return hidden
         full = edge.gather(hidden).contiguous()
         regather.enter(hidden, full, edge)  # backward keeps this rank's chunk only (.regather)
         return full
 
     def leave(module, args, out):
+        if state["sharded"]:
+            regather.leave()
+
+    def leave_block(module, args, out):  # the MoE block keeps this rank's chunk of its output
+        if not state["sharded"]:
+            return out
         regather.leave()
+        return _replace_first(out, edge.share(_first(out)))
 
     for path in layout.mixers:
         mixer = model.get_submodule(path)
         mixer.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
         mixer.register_forward_hook(leave)
-    def leave_block(module, args, out):  # the MoE block keeps this rank's chunk of its output
-        regather.leave()
-        return _replace_first(out, edge.share(_first(out)))
-
     for path in layout.moe:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(gather_in), with_kwargs=True)
         block.register_forward_hook(leave_block)
-    last.register_forward_hook(lambda m, a, out: _replace_first(out, edge.gather(_first(out))))
+    last.register_forward_hook(
+        lambda m, a, out: _replace_first(out, edge.gather(_first(out))) if state["sharded"] else out)
 
 
 def _rope_grads(group, width: int):
