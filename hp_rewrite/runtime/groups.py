@@ -102,23 +102,29 @@ def check_mesh(mesh: DeviceMesh, ep_size: int | None = None) -> DeviceMesh:
             f"device mesh dimensions {names}: expected ('efsdp', 'ep') or ('dp_replicate', 'efsdp', 'ep'), "
             "with 'ep' last (the EP groups are consecutive ranks)"
         )
+    return _consecutive_last(mesh, EP_DIM, "ep_size", ep_size)
+
+
+def _consecutive_last(mesh: DeviceMesh, dim: str, field: str, size: int | None) -> DeviceMesh:
+    """``mesh[dim]`` after checking that the mesh spans the world and that ``dim`` (its last) has the
+    plan's ``size`` (``field``) over consecutive ranks."""
     if mesh.size() != dist.get_world_size():
         raise ExpertParallelError(
             f"the device mesh spans {mesh.size()} ranks, the world {dist.get_world_size()}: one mesh for all ranks"
         )
-    ep_mesh = mesh[EP_DIM]
-    if ep_size is not None and ep_mesh.size() != ep_size:
+    sub = mesh[dim]
+    if size is not None and sub.size() != size:
         raise ExpertParallelError(
-            f"ep_size={ep_size} (the plan) but the device mesh's 'ep' dimension has {ep_mesh.size()} ranks: "
+            f"{field}={size} (the plan) but the device mesh's '{dim}' dimension has {sub.size()} ranks: "
             "make them equal"
         )
-    first = dist.get_rank() - ep_mesh.get_local_rank()
-    if ep_mesh.mesh.flatten().tolist() != list(range(first, first + ep_mesh.size())):
+    first = dist.get_rank() - sub.get_local_rank()
+    if sub.mesh.flatten().tolist() != list(range(first, first + sub.size())):
         raise ExpertParallelError(
-            f"the device mesh's 'ep' group of rank {dist.get_rank()} is {ep_mesh.mesh.flatten().tolist()}: EP groups "
-            "must be consecutive ranks; build the mesh with 'ep' as its last dimension"
+            f"the device mesh's '{dim}' group of rank {dist.get_rank()} is {sub.mesh.flatten().tolist()}: "
+            f"{dim.upper()} groups must be consecutive ranks; build the mesh with '{dim}' as its last dimension"
         )
-    return ep_mesh
+    return sub
 
 
 def mesh_device_type() -> str:
@@ -169,22 +175,7 @@ def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
             f"device mesh dimensions {names}: with tp_size > 1 pass the dense parts' mesh, ('dp', 'tp') with "
             "'tp' last (the TP groups are consecutive ranks); the EP groups are cut from the same ranks"
         )
-    if mesh.size() != dist.get_world_size():
-        raise ExpertParallelError(
-            f"the device mesh spans {mesh.size()} ranks, the world {dist.get_world_size()}: one mesh for all ranks"
-        )
-    tp_mesh = mesh[TP_DIM]
-    if tp_mesh.size() != tp_size:
-        raise ExpertParallelError(
-            f"tp_size={tp_size} (the plan) but the device mesh's 'tp' dimension has {tp_mesh.size()} ranks: "
-            "make them equal"
-        )
-    first = dist.get_rank() - tp_mesh.get_local_rank()
-    if tp_mesh.mesh.flatten().tolist() != list(range(first, first + tp_size)):
-        raise ExpertParallelError(
-            f"the device mesh's 'tp' group of rank {dist.get_rank()} is {tp_mesh.mesh.flatten().tolist()}: TP "
-            "groups must be consecutive ranks; build the mesh with 'tp' as its last dimension"
-        )
+    _consecutive_last(mesh, TP_DIM, "tp_size", tp_size)
     return mesh
 
 
