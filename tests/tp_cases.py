@@ -123,7 +123,9 @@ def _refusal(case: dict, out_dir: str) -> str:
             hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
         rank = torch.distributed.get_rank()
         ids = torch.full((1, case.get("seq", SEQ)), rank if case.get("engine") == "batch_per_rank" else 0)
-        model(input_ids=ids)
+        extra = {"output_attentions": True} if case.get("engine") == "attentions" else {}
+        extra.update({"output_hidden_states": True} if case.get("engine") == "hidden_states" else {})
+        model(input_ids=ids, **extra)
     except UserError as e:
         return str(e)
     return ""

@@ -127,8 +127,28 @@ def parallelize(model: nn.Module, layout: TensorLayout, mesh, sequence_parallel:
         return edge.share(hidden)
 
     first.register_forward_pre_hook(_on_hidden(enter), with_kwargs=True)
+    model.register_forward_pre_hook(_refuse_partial_outputs(sequence_parallel), with_kwargs=True)
     if sequence_parallel:
         _sequence_boundaries(model, layout, mesh, edge, state, last)
+
+
+def _refuse_partial_outputs(sequence_parallel: bool):
+    """Outputs a rank holds only its share of: its heads' attention weights; under SP, its chunk of the
+    layers' hidden states. Returned as they are they would look like the whole."""
+    def hook(module, args, kwargs):
+        config = getattr(module, "config", None)
+
+        def asked(name: str) -> bool:
+            value = kwargs.get(name)
+            return bool(getattr(config, name, False) if value is None else value)
+
+        if asked("output_attentions"):
+            raise TensorParallelError("output_attentions with tp_size > 1: each rank holds only its own heads' "
+                                      "attention weights; ask for them with a plan of tp_size: 1")
+        if sequence_parallel and asked("output_hidden_states"):
+            raise TensorParallelError("output_hidden_states with sequence_parallel: each rank holds only its chunk "
+                                      "of the sequence between the layers; set sequence_parallel: false to get them")
+    return hook
 
 
 def _sequence_boundaries(model: nn.Module, layout: TensorLayout, mesh, edge: _Boundary, state: dict,
