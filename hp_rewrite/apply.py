@@ -79,13 +79,9 @@ def check_tensor_parallel(plan, config) -> None:
     reason rather than on every rank."""
     if plan.tp_size == 1:
         return
-    from .match import find_blocks
-    from .tensor import MoeBlockSpec, plan_layout
+    from .loading.patch import tensor_layout
 
-    model = meta_model(config)
-    blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model)
-              if plan.matches(s.path, type(s.block).__name__)]
-    plan_layout(model, blocks, plan.tp_size)
+    tensor_layout(meta_model(config), plan, lambda s: plan.matches(s.path, type(s.block).__name__))
 
 
 def _experts_by_rank(plan, s) -> list[list[int]] | None:

@@ -122,18 +122,27 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     return model
 
 
+def tensor_layout(model: nn.Module, plan: Plan, selected) -> object:
+    """The TP layout (:func:`hp_rewrite.tensor.plan_layout`) of ``model``'s dense parts around the MoE
+    blocks ``selected(structure)`` keeps; a :class:`~hp_rewrite.tensor.TensorParallelError` when it
+    cannot be split."""
+    from ..match import find_blocks
+    from ..tensor import MoeBlockSpec, plan_layout
+
+    blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model) if selected(s)]
+    return plan_layout(model, blocks, plan.tp_size)
+
+
 def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: list[str]):
     """Tensor (and sequence) parallelism of the dense parts over the EP group's TP group."""
-    from ..match import find_blocks
-    from ..tensor import MoeBlockSpec, parallelize, plan_layout
+    from ..tensor import parallelize
 
     if ep.tp_size != plan.tp_size:
         raise ExpertParallelError(
             f"the plan's tp_size is {plan.tp_size} but the EP group's TP group has {ep.tp_size} rank(s): build it "
             "with build_expert_parallel_group(ep_size, tp_size=...), or leave ep to hp-rewrite"
         )
-    blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model) if s.path in patched]
-    layout = plan_layout(model, blocks, plan.tp_size)
+    layout = tensor_layout(model, plan, lambda s: s.path in patched)
     parallelize(model, layout, ep.tp_mesh["tp"], plan.sequence_parallel)
     return layout
 

@@ -347,7 +347,7 @@ def load_full_checkpoints(model: nn.Module) -> None:
                 if tuple(t.shape) == (experts * (layout.flat or 1), *local.shape[1:]):  # the full tensor
                     state_dict[key] = local_rows(holder, w, t)
 
-    def split_dense(module, state_dict, prefix, *_):
+    def shard_dense(module, state_dict, prefix, *_):
         """A TP-split (DTensor) parameter takes a full tensor as this rank's shard of it."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -359,7 +359,7 @@ def load_full_checkpoints(model: nn.Module) -> None:
                 state_dict[key] = distribute_tensor(given.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
 
     model.register_load_state_dict_pre_hook(slice_experts)
-    model.register_load_state_dict_pre_hook(split_dense)
+    model.register_load_state_dict_pre_hook(shard_dense)
 
 
 def refuse_partial_adapter_state(model: nn.Module) -> None:

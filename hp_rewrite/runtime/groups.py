@@ -156,21 +156,26 @@ def expert_parallel_mesh(ep_size: int, timeout_s: float | None = None) -> Device
     """``("efsdp", "ep")`` over the initialised world: EP groups of ``ep_size`` consecutive ranks, and
     the ranks holding the same experts along ``efsdp``. ``timeout_s`` bounds every collective of its
     groups: a rank that stops answering makes the others fail after at most that long."""
+    return _consecutive_mesh(("efsdp", EP_DIM), "ep_size", ep_size, timeout_s)
+
+
+def _consecutive_mesh(dims: tuple[str, str], field: str, size: int, timeout_s: float | None) -> DeviceMesh:
+    """A 2-D mesh over the initialised world whose last dimension is groups of ``size`` consecutive ranks."""
     world = dist.get_world_size()
-    if world % ep_size != 0:
+    if world % size != 0:
         raise ExpertParallelError(
-            f"ep_size={ep_size} does not divide the world size {world}: choose an ep_size that divides it "
+            f"{field}={size} does not divide the world size {world}: choose one that divides it "
             f"(e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
-    dims = ("efsdp", EP_DIM)
-    return init_device_mesh(mesh_device_type(), (world // ep_size, ep_size), mesh_dim_names=dims,
+    return init_device_mesh(mesh_device_type(), (world // size, size), mesh_dim_names=dims,
                             backend_override=_timeout_override(timeout_s, dims))
 
 
 def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
-    """Validate the dense parts' mesh: the whole world, ``tp`` last, of ``tp_size`` consecutive ranks."""
+    """Validate the dense parts' mesh: ``("dp", "tp")`` over the whole world, ``tp`` of ``tp_size``
+    consecutive ranks (``dp`` is what gradients are averaged and ``fully_shard`` shards over)."""
     names = tuple(mesh.mesh_dim_names or ())
-    if not names or names[-1] != TP_DIM:
+    if names != ("dp", TP_DIM):
         raise ExpertParallelError(
             f"device mesh dimensions {names}: with tp_size > 1 pass the dense parts' mesh, ('dp', 'tp') with "
             "'tp' last (the TP groups are consecutive ranks); the EP groups are cut from the same ranks"
@@ -181,14 +186,7 @@ def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
 
 def tensor_parallel_mesh(tp_size: int, timeout_s: float | None = None) -> DeviceMesh:
     """``("dp", "tp")`` over the initialised world: TP groups of ``tp_size`` consecutive ranks."""
-    world = dist.get_world_size()
-    if world % tp_size != 0:
-        raise ExpertParallelError(
-            f"tp_size={tp_size} does not divide the world size {world}: choose a tp_size that divides it"
-        )
-    dims = ("dp", TP_DIM)
-    return init_device_mesh(mesh_device_type(), (world // tp_size, tp_size), mesh_dim_names=dims,
-                            backend_override=_timeout_override(timeout_s, dims))
+    return _consecutive_mesh(("dp", TP_DIM), "tp_size", tp_size, timeout_s)
 
 
 def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
