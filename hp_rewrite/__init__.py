@@ -31,6 +31,7 @@ _LAZY = {
     "save_pretrained": "hp_rewrite.loading.save",
     "interleave": "hp_rewrite.runtime.turns",
     "Interleaver": "hp_rewrite.runtime.turns",
+    "UserError": "hp_rewrite.errors",  # every mistake the user can fix (also of transformers' type where it raises)
 }
 
 

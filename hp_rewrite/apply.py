@@ -159,6 +159,8 @@ def run_on_ranks(plan, model_dir: Path, out_dir: Path, nproc: int, verify: bool,
         ranks = run_world(nproc, "hp_rewrite.verify:run_rank", payload,
                           timeout=timeout or max(120.0, plan.runtime.timeout_s * 4))
     except WorldError as e:
+        if e.user_error is not None:  # the checkpoint or the options, not the run: a clean error
+            raise UserError(e.user_error) from None
         return RankRun([], time.perf_counter() - t0, failure=str(e))
     run = RankRun(ranks, time.perf_counter() - t0)
     if verify and ranks:

@@ -13,8 +13,9 @@ class UserError(Exception):
     """A mistake the user can fix (bad plan, bad model directory, wrong sizes, ...)."""
 
 
-class ModelDirError(UserError):
-    """The model directory is missing, has no readable config.json, or transformers cannot build it."""
+class ModelDirError(UserError, OSError):
+    """The model directory is missing, has no readable config.json, or transformers cannot build it (an
+    ``OSError``, as transformers raises for a directory it cannot read a model from)."""
 
 
 class SelectionError(UserError):

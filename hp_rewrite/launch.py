@@ -19,6 +19,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from .errors import UserError
+
 
 def _worker(rank: int, world: int, init_file: str, target: str, payload, out_dir: str, backend: str) -> None:
     import torch
@@ -38,19 +40,23 @@ def _worker(rank: int, world: int, init_file: str, target: str, payload, out_dir
         fn = getattr(importlib.import_module(module_name), fn_name)
         result = fn(rank, world, payload)
         out.write_text(json.dumps({"ok": True, "result": result}))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        out.write_text(json.dumps({"ok": False, "error": traceback.format_exc(), "time": time.time()}))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        user_error = str(e) if isinstance(e, UserError) else None  # a mistake to report without a traceback
+        out.write_text(json.dumps({"ok": False, "error": traceback.format_exc(), "time": time.time(),
+                                   "user_error": user_error}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 class WorldError(RuntimeError):
-    """One or more ranks failed or hung; the message names the first rank that failed."""
+    """One or more ranks failed or hung; the message names the first rank that failed. ``user_error``:
+    that rank's message when what it raised was a :class:`UserError` (a mistake the user can fix)."""
 
-    def __init__(self, message: str, first_failed: int | None = None) -> None:
+    def __init__(self, message: str, first_failed: int | None = None, user_error: str | None = None) -> None:
         super().__init__(message)
         self.first_failed = first_failed
+        self.user_error = user_error
 
 
 def _status(tmp: str, rank: int) -> dict | None:
@@ -125,5 +131,6 @@ def run_world(world: int, target: str, payload=None, timeout: float = 600.0, bac
             errors.append(f"ranks {hung} did not stop {why} and were killed")
         if errors:
             head = f"rank {first_failed} failed first; " if first_failed is not None else ""
-            raise WorldError(head + "\n".join(errors), first_failed)
+            first = _status(tmp, first_failed) if first_failed is not None else None
+            raise WorldError(head + "\n".join(errors), first_failed, (first or {}).get("user_error"))
         return results

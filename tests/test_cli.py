@@ -55,6 +55,22 @@ def test_missing_model_dir_is_a_clean_error(tmp_path: Path, capsys) -> None:
     assert "no config.json" in capsys.readouterr().out
 
 
+def test_unreadable_checkpoint_on_the_ranks_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    """A user error raised on the ranks (here a corrupt safetensors file) is the CLI's message and exit 2."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{not json}" + b" " * 6)
+    report = tmp_path / "report.json"
+    plan = PLANS / "auto-ep2.yaml"
+    code = main(["apply", str(plan), str(bad), "--out", str(tmp_path / "gen"), "--nproc", "2", "--verify",
+                 "--report", str(report)])
+    out = capsys.readouterr().out
+    assert code == 2 and "model.safetensors: not a readable safetensors file" in out and "Traceback" not in out
+    assert not report.exists()
+
+
 def test_world_size_that_does_not_fit_the_plan(tiny_dir: Path, tmp_path: Path, capsys) -> None:
     assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(tiny_dir), "--out", str(tmp_path), "--nproc", "3"]) == 2
     assert "not a multiple" in capsys.readouterr().out

@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hp_rewrite"
 
 #: bottom to top; a unit may import units of lower layers only (the root package holds only __version__)
 LAYERS = (
-    ("__init__", "errors", "launch"),
+    ("__init__", "errors"),
+    ("launch",),
     ("hf",),
     ("kernels",),
     ("runtime",),

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import hp_rewrite
+from hp_rewrite.errors import UserError
 from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.hf.shrink import tiny_config
 from hp_rewrite.launch import run_world
@@ -152,8 +153,14 @@ def test_every_head_class_at_ep2_loads_and_saves_as_transformers(checkpoints, tm
     prefix = FAMILIES["qwen3_moe"]
     loads = [(prefix + head, source, str(checkpoints["qwen3_moe", source]))
              for head in heads("qwen3_moe") for source in ("ForCausalLM", "Model")]
-    for r in run_world(2, "tests.training_cases:contract_heads_world", {"loads": loads, "out_dir": str(tmp_path)}):
-        assert not r["problems"] and len(r["checked"]) == len(loads), r
+    # from a classifier's checkpoint with ignore_mismatched_sizes (#35): re-initialised as transformers
+    # does where a non-expert tensor mismatches; experts that mismatch are refused by name at EP > 1
+    classifier = checkpoints["qwen3_moe", "ForSequenceClassification"]
+    mismatched = [(prefix + head, str(classifier), changes) for head in ("ForSequenceClassification", "ForCausalLM")
+                  for changes in _mismatching_changes("qwen3_moe", classifier).values()]
+    payload = {"loads": loads, "out_dir": str(tmp_path), "mismatched": mismatched}
+    for r in run_world(2, "tests.training_cases:contract_heads_world", payload):
+        assert not r["problems"] and len(r["checked"]) == len(loads) + len(mismatched), r
     # the question-answering head keeps its body under another prefix ("transformer."), which the causal
     # LM's checkpoint ("model.") does not fill, as in plain transformers: its experts are drawn at random
     # (from smaller tensors at EP=2), so their values have nothing to equal
@@ -252,3 +259,103 @@ def test_meta_device(checkpoints, tmp_path) -> None:
                 transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "ForCausalLM"])
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "meta device" in errors[0]
+
+
+# config fields whose change gives the experts other shapes than the checkpoint's: (size, count)
+EXPERT_FIELDS = {"qwen3_moe": ("moe_intermediate_size", "num_experts"),
+                 "deepseek_v3": ("moe_intermediate_size", "n_routed_experts"),
+                 "gpt_oss": ("intermediate_size", "num_local_experts"),
+                 "mixtral": ("intermediate_size", "num_local_experts")}
+
+
+def _mismatching_changes(family: str, directory: Path) -> dict[str, dict]:
+    """from_pretrained overrides that mismatch the checkpoint: the heads and embeddings, or the experts."""
+    config = transformers.AutoConfig.from_pretrained(directory)
+    size, count = EXPERT_FIELDS[family]
+    return {"non_expert": {"num_labels": 42, "vocab_size": config.vocab_size + 8},
+            "expert": {size: getattr(config, size) * 2, count: getattr(config, count) * 2}}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ignore_mismatched_sizes_reinitialises_as_transformers(family, checkpoints, tmp_path) -> None:
+    """A classifier's checkpoint loaded with another head size (and other vocabulary or expert sizes),
+    every head class, ignore_mismatched_sizes=True: the tensors transformers re-initialises, with the
+    same values (same init, same seed), the same loading info (mismatched_keys with every expert
+    counted) and the same log line; without the flag both raise a RuntimeError."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    directory = checkpoints[family, "ForSequenceClassification"]
+    changes = _mismatching_changes(family, directory)
+    for head in heads(family):
+        cls = getattr(transformers, FAMILIES[family] + head)
+        for what, kwargs in changes.items():
+            plain, plain_info = _load(cls, directory, ignore_mismatched_sizes=True, **kwargs)
+            with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+                ours, ours_info = _load(cls, directory, ignore_mismatched_sizes=True, **kwargs)
+            _compare(plain, plain_info, ours, ours_info)
+            if head == "ForSequenceClassification":  # the issue's case: the head, and the experts
+                names = {name for name, _, _ in ours_info["mismatched_keys"]}
+                assert ("score.weight" in names) == (what == "non_expert"), names
+                assert any(".experts." in n for n in names) == (what == "expert"), names
+    cls = getattr(transformers, FAMILIES[family] + "ForSequenceClassification")
+    with CaptureLogger(hf_logging.get_logger("transformers.modeling_utils")) as log:
+        with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+            cls.from_pretrained(directory, ignore_mismatched_sizes=True, num_labels=42)
+    assert "score.weight" in log.out and "Reinit due to size mismatch" in log.out
+    for kwargs in changes.values():
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            _load(cls, directory, **kwargs)
+        with pytest.raises(RuntimeError) as e, hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+            _load(cls, directory, **kwargs)
+        assert isinstance(e.value, UserError), e.value  # the CLI's clean message, and our words:
+        assert "the model expects" in str(e.value) and "ignore_mismatched_sizes=True" in str(e.value), e.value
+
+
+def test_errors_are_of_the_type_transformers_raises(checkpoints, tmp_path) -> None:
+    """A checkpoint file that is unreadable, truncated or absent, and a save into a path that is a file:
+    what plain transformers does (the same exception type, keeping our message; the same logged error
+    and nothing written); the from_pretrained options transformers rejects, rejected by it."""
+    import shutil
+
+    source = checkpoints["qwen3_moe", "ForCausalLM"]
+    bad = {}
+    for name in ("corrupt", "truncated", "absent_shard"):
+        shutil.copytree(source, bad.setdefault(name, tmp_path / name))
+    (bad["corrupt"] / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{not json}" + b" " * 6)
+    whole = (source / "model.safetensors").read_bytes()
+    (bad["truncated"] / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    (bad["absent_shard"] / "model.safetensors").unlink()
+    transformers.AutoModelForCausalLM.from_pretrained(source).save_pretrained(bad["absent_shard"], max_shard_size="60KB")
+    next(iter(sorted(bad["absent_shard"].glob("model-00002-*.safetensors")))).unlink()
+    cls = transformers.Qwen3MoeForCausalLM
+    for name, directory in bad.items():
+        with pytest.raises(Exception) as theirs:
+            cls.from_pretrained(directory)
+        with pytest.raises(Exception) as ours, hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+            cls.from_pretrained(directory)
+        assert isinstance(ours.value, type(theirs.value)), (name, ours.value, theirs.value)
+        assert isinstance(ours.value, OSError) and isinstance(ours.value, UserError), (name, ours.value)
+        assert str(directory) in str(ours.value), ours.value
+    assert isinstance(ours.value, FileNotFoundError)  # the absent shard, as transformers
+    for kwargs in ({"dtype": "float17"}, {"attn_implementation": "nope"}, {"device_map": "nonsense"}):
+        with pytest.raises(ValueError), hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+            cls.from_pretrained(source, **kwargs)
+    with pytest.raises(OSError):
+        hp_rewrite.from_pretrained(tmp_path / "nothing", plan=EP1, artifact_dir=tmp_path / "art")
+
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(source)
+    with hp_rewrite.auto_patch(EP1, artifact_dir=tmp_path / "art"):
+        ours_model = transformers.AutoModelForCausalLM.from_pretrained(source)
+    logs = []
+    for model in (plain, ours_model):
+        with CaptureLogger(hf_logging.get_logger("transformers.modeling_utils")) as log:
+            assert model.save_pretrained(a_file) is None
+        logs.append(log.out)
+    assert logs[0] == logs[1] and "should be a directory, not a file" in logs[0]
+    assert a_file.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

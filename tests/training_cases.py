@@ -299,4 +299,53 @@ def contract_heads_world(rank: int, world: int, payload: dict) -> dict:
         out["checked"].append(where)
         if not experts_missing:
             out["experts_loaded"].append(f"{cls_name}-{source}")
+    a_file = Path(payload["out_dir"]) / "a_file"  # save_pretrained into a file: logged, skipped by every rank
+    if rank == 0:
+        a_file.write_text("kept")
+    torch.distributed.barrier()
+    if ours.save_pretrained(a_file) is not None or a_file.read_text() != "kept":
+        out["problems"].append("save_pretrained into a file wrote or returned something")
+    for cls_name, directory, kwargs in payload.get("mismatched", []):
+        out["problems"] += _mismatched_sizes(getattr(transformers, cls_name), directory, kwargs, plan,
+                                             Path(payload["out_dir"]) / "art")
+        out["checked"].append(f"{cls_name} {sorted(kwargs)}")
     return out
+
+
+def _mismatched_sizes(cls, directory: str, kwargs: dict, plan, art: Path) -> list[str]:
+    """from_pretrained(ignore_mismatched_sizes=True) at EP > 1: non-expert tensors re-initialised as plain
+    transformers does (values, loading info with full shapes); expert tensors refused by name; without
+    the flag a RuntimeError."""
+
+    from hp_rewrite.loading.checkpoint_files import CheckpointShapeError
+
+    problems, where = [], f"{cls.__name__} {kwargs}"
+    experts_change = any(k not in ("num_labels", "vocab_size") for k in kwargs)
+    torch.manual_seed(0)
+    plain, plain_info = cls.from_pretrained(directory, output_loading_info=True, ignore_mismatched_sizes=True,
+                                            **kwargs)
+    torch.manual_seed(0)
+    try:
+        with auto_patch(plan, artifact_dir=art):
+            ours, ours_info = cls.from_pretrained(directory, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                  **kwargs)
+    except CheckpointShapeError as e:
+        if not (experts_change and ".experts." in str(e) and "ep_size 1" in str(e)):
+            problems.append(f"{where}: {e}")
+        ours = None
+    if ours is not None:
+        if experts_change or ours_info != plain_info or not plain_info["mismatched_keys"]:
+            problems.append(f"{where}: {ours_info} vs {plain_info}")
+        experts, theirs = expert_weights(ours), plain.state_dict()
+        for name, t in ours.state_dict().items():
+            want = local_rows(*experts[name], theirs[name]) if name in experts else theirs[name]
+            if not torch.equal(t, want):
+                problems.append(f"{where}: {name}")
+    try:
+        with auto_patch(plan, artifact_dir=art):
+            cls.from_pretrained(directory, **kwargs)
+        problems.append(f"{where}: loaded without ignore_mismatched_sizes")
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes=True" not in str(e):
+            problems.append(f"{where}: {e}")
+    return problems

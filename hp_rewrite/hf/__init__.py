@@ -51,6 +51,7 @@ __all__ = [
     "stored_quantization_config",
     "storage_key",
     "top_k_of",
+    "transformers_logger",
     "transformers_version",
     "without_quantizer_transforms",
 ]
@@ -77,6 +78,13 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def transformers_logger(module: str):
+    """The logger of ``transformers.<module>``, to report what transformers reports there, as it does."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.get_logger(f"transformers.{module}")
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:
@@ -137,14 +145,15 @@ def load_config(model_dir: Path, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        auto_map = None
         with contextlib.suppress(OSError, ValueError):
             auto_map = json.loads((model_dir / "config.json").read_text()).get("auto_map")
-            if auto_map and not trust_remote_code:
-                files = sorted({str(v).split(".")[0] for v in auto_map.values() if isinstance(v, str)})
-                raise ModelDirError(
-                    f"{model_dir} is a remote-code model (its config.json maps its classes to "
-                    f"{', '.join(f + '.py' for f in files)}): read that code, then pass --trust-remote-code "
-                    "(trust_remote_code=True in Python) to run it") from e
+        if auto_map and not trust_remote_code:
+            files = sorted({str(v).split(".")[0] for v in auto_map.values() if isinstance(v, str)})
+            raise ModelDirError(
+                f"{model_dir} is a remote-code model (its config.json maps its classes to "
+                f"{', '.join(f + '.py' for f in files)}): read that code, then pass --trust-remote-code "
+                "(trust_remote_code=True in Python) to run it") from e
         raise ModelDirError(f"{model_dir}/config.json: transformers cannot read it: {e}") from e
 
 
@@ -452,11 +461,12 @@ def storage_key(tensor) -> tuple[object, int]:
     return get_torch_storage_id(tensor), get_torch_storage_size(tensor)
 
 
-def loading_info(missing: set[str], unexpected: set[str]):
-    """transformers' loading report (``LoadStateDictInfo``) for weights read outside its loader."""
+def loading_info(missing: set[str], unexpected: set[str], mismatched: set[tuple] = frozenset()):
+    """transformers' loading report (``LoadStateDictInfo``) for weights read outside its loader;
+    ``mismatched``: ``(name, checkpoint shape, model shape)`` of the tensors left to re-initialise."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    return LoadStateDictInfo(missing_keys=set(missing), unexpected_keys=set(unexpected), mismatched_keys=set(),
+    return LoadStateDictInfo(missing_keys=set(missing), unexpected_keys=set(unexpected), mismatched_keys=set(mismatched),
                              error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
 
 

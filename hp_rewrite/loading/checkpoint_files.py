@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from ..hf import core_model_loading
@@ -26,11 +27,15 @@ __all__ = [
     "CHUNK_BYTES",
     "INDEX_FILE",
     "SINGLE_FILE",
+    "CheckpointFileError",
     "CheckpointKeyError",
+    "CheckpointShapeError",
     "ExpertSlice",
     "LoadUnit",
+    "MissingCheckpointFileError",
     "Reader",
     "TensorInfo",
+    "UnreadableCheckpointError",
     "expert_slices",
     "foreign_experts",
     "index_regex",
@@ -52,6 +57,24 @@ _ITEMSIZE = {
 
 class CheckpointKeyError(ExpertParallelError):
     """The checkpoint does not fit the model: missing, unexpected, duplicated or mis-shaped tensors."""
+
+
+class CheckpointShapeError(CheckpointKeyError, RuntimeError):
+    """A checkpoint tensor of another shape than the model's: a ``RuntimeError``, as transformers raises
+    for a size mismatch, so that code written against ``from_pretrained`` catches it."""
+
+
+class CheckpointFileError(CheckpointKeyError, OSError):
+    """A checkpoint file that is absent or unreadable: an ``OSError``, as transformers raises."""
+
+
+class MissingCheckpointFileError(CheckpointFileError, FileNotFoundError):
+    """A checkpoint file that the checkpoint names and the directory lacks (transformers: the same)."""
+
+
+class UnreadableCheckpointError(CheckpointFileError, SafetensorError):
+    """A safetensors file whose header cannot be read: also safetensors' own error, which plain
+    transformers lets through for the same file."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,14 +101,10 @@ class Reader:
         self.files_read: set[str] = set()
         self.infos: dict[str, TensorInfo] = {}
         for file in [Path(f) for f in files] if files is not None else safetensors_files(model_dir):
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    if key in self.infos:
-                        raise CheckpointKeyError(
-                            f"{key} is stored twice: in {self.infos[key].file.name} and {file.name}"
-                        )
-                    s = f.get_slice(key)
-                    self.infos[key] = TensorInfo(file, tuple(s.get_shape()), s.get_dtype())
+            for key, shape, dtype in _header(file):
+                if key in self.infos:
+                    raise CheckpointKeyError(f"{key} is stored twice: in {self.infos[key].file.name} and {file.name}")
+                self.infos[key] = TensorInfo(file, shape, dtype)
 
     def copy_into(self, key: str, out: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """``out[...] = tensor[start:stop]`` (dim 0; the whole tensor by default), read chunk by chunk."""
@@ -133,6 +152,22 @@ class Reader:
         return out
 
 
+def _header(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, shape, dtype) of every tensor in a safetensors file, from its header; an unreadable file is a
+    :class:`CheckpointFileError` naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return [(key, tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()]
+    except FileNotFoundError as e:
+        raise MissingCheckpointFileError(f"{file}: no such file; the checkpoint names it") from e
+    except SafetensorError as e:
+        raise UnreadableCheckpointError(f"{file}: not a readable safetensors file ({e}); write it again") from e
+    except OSError as e:
+        raise CheckpointFileError(f"{file}: cannot be read ({e})") from e
+
+
 def torch_dtype(name: str) -> torch.dtype:
     table = {
         "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -152,12 +187,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         files = sorted({model_dir / name for name in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise CheckpointKeyError(f"{index} names shard files that do not exist: {', '.join(absent)}")
+            raise MissingCheckpointFileError(f"{index} names shard files that do not exist: {', '.join(absent)}")
         return files
     single = model_dir / SINGLE_FILE
     if single.is_file():
         return [single]
-    raise CheckpointKeyError(
+    raise CheckpointFileError(
         f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}; the expert-parallel loader reads safetensors checkpoints"
     )
 

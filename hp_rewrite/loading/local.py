@@ -34,7 +34,6 @@ The file reader and the key mapping live in :mod:`hp_rewrite.loading.checkpoint_
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +45,7 @@ import torch
 from torch import nn
 
 from ..hf import core_model_loading, load_config, meta_model, model_conversion_mapping, quiet_transformers
-from ..runtime import ExpertParallelError, ExpertParallelGroup
+from ..runtime import ExpertParallelGroup
 from .checkpoint_files import (
     CHUNK_BYTES,
     CheckpointKeyError,
@@ -54,223 +53,15 @@ from .checkpoint_files import (
     LoadUnit,
     Reader,
     expert_slices,
-    index_regex,
     map_keys,
     natural_key,
     torch_dtype,
 )
+from .fill import Filler
 from .quantized import DequantizingReader, checkpoint_format
 from .rank0 import rank0_first
 
 __all__ = ["CHUNK_BYTES", "CheckpointKeyError", "PreparedLoad", "load_expert_parallel", "prepare"]
-
-
-# ----------------------------------------------------------------------------------------------
-# filling
-
-
-def _op_dims(op) -> list[int]:
-    return [getattr(op, a) for a in ("dim", "dim0", "dim1") if isinstance(getattr(op, a, None), int)]
-
-
-def _is_merge(op) -> bool:
-    return isinstance(op, core_model_loading().MergeModulelist) and op.dim == 0
-
-
-def _is_concat(op) -> bool:
-    return isinstance(op, core_model_loading().Concatenate) and op.dim >= 1
-
-
-class _Filler:
-    def __init__(self, model: nn.Module, reader: Reader, experts: dict[str, ExpertSlice], dtypes: Callable,
-                 device: torch.device | None = None) -> None:
-        self.model, self.reader, self.experts, self.dtype_for = model, reader, experts, dtypes
-        self.device = device
-        self.meta = model.state_dict(keep_vars=True)
-        self.paths = {"tensor": 0, "merged_experts": 0, "transformers_converter": 0}  # units filled, by path
-
-    def empty(self, name: str) -> torch.Tensor:
-        return torch.empty(self.meta[name].shape, dtype=self.dtype_for(name), device=self.device)
-
-    def fill(self, unit: LoadUnit) -> dict[str, torch.Tensor]:
-        if unit.key is not None:
-            self.paths["tensor"] += 1
-            return {unit.targets[0]: self._plain(unit.targets[0], unit.key)}
-        ops = list(unit.converter.operations)
-        patterns = unit.converter.source_patterns
-        per_expert = any(index_regex(p) is not None for p in unit.sources)
-        if per_expert and len(unit.targets) == 1 and all(index_regex(p) for p in patterns):
-            if len(ops) == 1 and len(patterns) == 1 and _is_merge(ops[0]):
-                self.paths["merged_experts"] += 1
-                return {unit.targets[0]: self._merge(unit, None)}
-            if len(ops) == 2 and _is_merge(ops[0]) and _is_concat(ops[1]):
-                self.paths["merged_experts"] += 1
-                return {unit.targets[0]: self._merge(unit, ops[1].dim)}
-        self.paths["transformers_converter"] += 1
-        return self._convert(unit, per_expert)
-
-    def _check(self, name: str, shape: tuple[int, ...], what: str) -> None:
-        want = tuple(self.meta[name].shape)
-        if tuple(shape) != want:
-            raise CheckpointKeyError(
-                f"{what} gives {name} the shape {list(shape)}, the model expects {list(want)}"
-            )
-
-    def _plain(self, name: str, key: str) -> torch.Tensor:
-        shape = list(self.reader.infos[key].shape)
-        out = self.empty(name)
-        sl = self.experts.get(name)
-        if sl is None:
-            self._check(name, tuple(shape), f"checkpoint tensor {key}")
-            self.reader.copy_into(key, out)
-            return out
-        if not shape or shape[0] != sl.full_dim0:
-            raise CheckpointKeyError(
-                f"checkpoint tensor {key} {shape} should hold {sl.num_experts} experts ({sl.full_dim0} rows) in "
-                f"dim 0 for {name}"
-            )
-        self._check(name, (sl.local_dim0, *shape[1:]), f"experts {_ranges(list(sl.experts))} of {key}")
-        at = 0
-        for a, b in sl.rows:
-            self.reader.copy_into(key, out[at : at + b - a], a, b)
-            at += b - a
-        return out
-
-    def _local(self, unit: LoadUnit, name: str) -> dict[str, list[tuple[int, str]]]:
-        """Per source pattern, the (index, key) of the experts to read, in expert order, checked complete."""
-        sl = self.experts.get(name)
-        out = {}
-        for pattern in unit.converter.source_patterns:
-            items = unit.sources.get(pattern, [])
-            bad = [k for i, k in items if i is None]
-            if bad:
-                raise CheckpointKeyError(f"{bad[0]}: no expert index where {pattern!r} has '*'")
-            indices = sorted(i for i, _ in items)
-            expected = list(range(sl.num_experts if sl else len(items)))
-            if indices != expected:
-                missing = sorted(set(expected) - set(indices))
-                extra = sorted(set(indices) - set(expected))
-                raise CheckpointKeyError(
-                    f"{name}: checkpoint keys {pattern!r} hold experts {_ranges(indices)}; "
-                    + (f"missing {_ranges(missing)}" if missing else "")
-                    + (f" unexpected {_ranges(extra)}" if extra else "")
-                    + f" (expected 0..{len(expected) - 1})"
-                )
-            keep = set(sl.experts) if sl else range(len(items))
-            out[pattern] = sorted((i, k) for i, k in items if i in keep)
-        return out
-
-    def _merge(self, unit: LoadUnit, cat_dim: int | None) -> torch.Tensor:
-        """``MergeModulelist(0)`` [+ ``Concatenate(d)``] written straight into the (local) parameter."""
-        name = unit.targets[0]
-        local = self._local(unit, name)
-        out = self.empty(name)
-        offset = 0
-        for pattern in unit.converter.source_patterns:
-            items = local[pattern]
-            if not items:
-                continue
-            shape = self.reader.infos[items[0][1]].shape
-            width = shape[cat_dim - 1] if cat_dim is not None else None
-            for j, (_, key) in enumerate(items):
-                if self.reader.infos[key].shape != shape:
-                    raise CheckpointKeyError(
-                        f"{key} {list(self.reader.infos[key].shape)}: expected {list(shape)}"
-                    )
-                slot = out[j] if cat_dim is None else out[j].narrow(cat_dim - 1, offset, width)
-                self._check_slot(name, slot, shape, key)
-                self.reader.copy_into(key, slot)
-            if len(items) != out.shape[0]:
-                raise CheckpointKeyError(f"{name}: {len(items)} experts read for {out.shape[0]} rows")
-            offset += width or 0
-        if cat_dim is not None and offset != out.shape[cat_dim]:
-            raise CheckpointKeyError(
-                f"{name}: the checkpoint's {' + '.join(unit.converter.source_patterns)} give {offset} "
-                f"along dim {cat_dim}, the model expects {out.shape[cat_dim]}"
-            )
-        return out
-
-    def _check_slot(self, name: str, slot: torch.Tensor, shape: tuple[int, ...], key: str) -> None:
-        if tuple(slot.shape) != tuple(shape):
-            raise CheckpointKeyError(
-                f"checkpoint tensor {key} {list(shape)} does not fit {name} (per-expert slot {list(slot.shape)})"
-            )
-
-    def _convert(self, unit: LoadUnit, per_expert: bool) -> dict[str, torch.Tensor]:
-        """Run transformers' converter on lazily read tensors (only the local experts' for expert targets)."""
-        name = unit.targets[0]
-        conv = copy.deepcopy(unit.converter)
-        slices = {self.experts.get(t) for t in unit.targets}
-        sl = self.experts.get(name)
-        partial = any(x is not None and x.count < x.num_experts for x in slices)
-        if partial:  # EP > 1: every operation must keep experts apart, and all targets share one slice
-            ops = list(conv.operations)
-            if len(slices) != 1:
-                raise ExpertParallelError(
-                    f"{name}: the conversion {unit.converter!r} fills tensors with different expert slices "
-                    f"({', '.join(unit.targets)}); only-local loading cannot read it"
-                )
-            if per_expert:
-                if not ops or not _is_merge(ops[0]):
-                    raise ExpertParallelError(
-                        f"{name}: the conversion {unit.converter!r} does not start by stacking experts "
-                        "(MergeModulelist(dim=0)); only-local loading cannot read it"
-                    )
-                ops = ops[1:]
-            touching = [op for op in ops if 0 in _op_dims(op) or not _op_dims(op)]
-            if touching:
-                raise ExpertParallelError(
-                    f"{name}: the conversion operation {touching[0]!r} acts on the expert dimension; "
-                    "only-local loading cannot apply it to a slice of the experts"
-                )
-        if partial and per_expert:
-            for pattern, items in self._local(unit, name).items():
-                for _, key in items:
-                    conv.collected_tensors[pattern].append(_lazy(self.reader, key, None))
-        else:  # whole tensors (every expert is local, or not an expert tensor), in checkpoint order
-            for pattern in conv.source_patterns:
-                for _, key in unit.sources.get(pattern, []):
-                    rows = None
-                    if partial:
-                        shape = self.reader.infos[key].shape
-                        if not shape or shape[0] != sl.full_dim0:
-                            raise CheckpointKeyError(
-                                f"checkpoint tensor {key} {list(shape)} should hold {sl.num_experts} experts in dim 0"
-                            )
-                        rows = sl.rows
-                    conv.collected_tensors[pattern].append(_lazy(self.reader, key, rows))
-        with torch.no_grad():
-            result = conv.convert(name, model=self.model, config=self.model.config)
-        out = {}
-        for target, value in result.items():
-            value = value[0] if isinstance(value, list) else value
-            if target not in self.meta:
-                raise CheckpointKeyError(
-                    f"the conversion {unit.converter!r} produced {target}, which the model lacks"
-                )
-            self._check(target, tuple(value.shape), f"the conversion {unit.converter!r}")
-            dest = self.empty(target)
-            dest.copy_(value)
-            out[target] = dest
-        return out
-
-
-def _lazy(reader: Reader, key: str, rows: list[tuple[int, int]] | None) -> Callable[[], torch.Tensor]:
-    return lambda: reader.read(key, rows)
-
-
-def _ranges(values: list[int]) -> str:
-    if not values:
-        return "none"
-    parts, start, prev = [], values[0], values[0]
-    for v in values[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +194,7 @@ class PreparedLoad:
 
     model: nn.Module
     reader: Reader
-    filler: _Filler
+    filler: Filler
     units: dict[str, LoadUnit]
     unexpected: dict[str, str]  # checkpoint keys no tensor of the model takes -> their renamed names
     transforms: list
@@ -503,10 +294,12 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
 
 
 def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGroup, artifact_dir,
-                  dtype: torch.dtype, transforms: list, device: torch.device | None = None) -> PreparedLoad:
+                  dtype: torch.dtype, transforms: list, device: torch.device | None = None,
+                  ignore_mismatched_sizes: bool | None = None) -> PreparedLoad:
     """On a model built on the meta device: find or write the artifact (rank 0 first), install the plan,
     map the checkpoint's keys with ``transforms`` (transformers' renamings and converters): everything
-    before a tensor is read. ``device``: where the tensors are allocated (the CPU by default)."""
+    before a tensor is read. ``device``: where the tensors are allocated (the CPU by default);
+    ``ignore_mismatched_sizes``: ``from_pretrained``'s (None outside it, see :class:`Filler`)."""
     from ..match import generate
     from . import install
 
@@ -522,7 +315,7 @@ def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGrou
     experts = expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
     units, unexpected = map_keys(model, reader, transforms)
-    filler = _Filler(model, reader, experts, _dtype_rule(model, dtype), device)
+    filler = Filler(model, reader, experts, _dtype_rule(model, dtype), device, ignore_mismatched_sizes)
     return PreparedLoad(model, reader, filler, units, unexpected, transforms, experts, patched, ep, timings, t_start)
 
 

@@ -69,10 +69,11 @@ class LocalExpertsLoad:
             reader = DequantizingReader(reader, dequantized_format(quantizer))
             transforms = without_quantizer_transforms(model, transforms, quantizer)
         loading = prepare_model(model, reader, self.plan, self.ep, self.artifact_dir, load_config.dtype,
-                                transforms, device)
+                                transforms, device, bool(load_config.ignore_mismatched_sizes))
         loading.fill()
         self.loading = loading
-        return loading_info(loading.missing, set(loading.unexpected.values())), None
+        # mismatched tensors stay on meta: transformers materialises, initialises and reports them
+        return loading_info(loading.missing, set(loading.unexpected.values()), loading.filler.mismatched), None
 
 
 def _single_device(load_config) -> torch.device | None:

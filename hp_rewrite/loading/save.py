@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ..hf import original_format, save_remote_code, size_in_bytes, storage_key
+from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
 from ..runtime import ExpertParallelError, local_rows
 from ..runtime.gradients import rank_local_modules
 from .checkpoint_files import expert_slices, foreign_experts, natural_key
@@ -170,6 +170,19 @@ def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _is_file_on_rank0(path: Path, model: nn.Module, distributed: bool) -> bool:
+    """Whether ``path`` is a file where global rank 0 (the writer) sees it: every rank takes its answer,
+    so that all of them skip the collective save, or none. The flag travels on the device of the model's
+    tensors, as the gathers that follow do (NCCL takes no CPU tensor)."""
+    answer = path.is_file()
+    if not distributed:
+        return answer
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+    flag = torch.tensor([answer], dtype=torch.uint8).to(device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 class _ShardWriter:
     """Tensors cut into shards exactly as ``save_pretrained`` cuts a state dict (huggingface_hub's
     split: in order, a new shard when the next tensor would pass ``max_bytes``, a larger tensor alone,
@@ -249,7 +262,7 @@ def _total_parameters(model: nn.Module) -> int:
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size: int | str = "50GB",
-                    save_original_format: bool = True) -> Path:
+                    save_original_format: bool = True) -> Path | None:
     """Write ``model`` (expert-parallel or not, FSDP2-sharded or not) as transformers' ``save_pretrained``
     writes the unmodified model: ``model.safetensors`` below ``max_shard_size`` (else numbered shards and
     an index), the names of the checkpoint format it was loaded from (``save_original_format``; else the
@@ -263,6 +276,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
     distributed = _is_distributed()
     rank = dist.get_rank() if distributed else 0
     out = Path(out_dir)
+    if _is_file_on_rank0(out, model, distributed):  # as transformers: an error logged, nothing written or raised
+        transformers_logger("modeling_utils").error(f"Provided path ({out_dir}) should be a directory, not a file")
+        return None
     units = _units(model, sort=save_original_format)
     total_parameters = _total_parameters(model)
     tmp = writer = None
