@@ -159,7 +159,8 @@ def _header(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
 
     try:
         with safe_open(file, framework="pt") as f:
-            return [(key, tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()]
+            slices = {key: f.get_slice(key) for key in f.keys()}
+            return [(key, tuple(s.get_shape()), s.get_dtype()) for key, s in slices.items()]
     except FileNotFoundError as e:
         raise MissingCheckpointFileError(f"{file}: no such file; the checkpoint names it") from e
     except SafetensorError as e:

@@ -26,7 +26,7 @@ from .checkpoint_files import (
     index_regex,
 )
 
-__all__ = ["Filler", "ranges"]
+__all__ = ["Filler"]
 
 
 def _op_dims(op) -> list[int]:
@@ -132,9 +132,9 @@ class Filler:
                 missing = sorted(set(expected) - set(indices))
                 extra = sorted(set(indices) - set(expected))
                 raise CheckpointShapeError(
-                    f"{name}: checkpoint keys {pattern!r} hold experts {ranges(indices)}; "
-                    + (f"missing {ranges(missing)}" if missing else "")
-                    + (f" unexpected {ranges(extra)}" if extra else "")
+                    f"{name}: checkpoint keys {pattern!r} hold experts {_ranges(indices)}; "
+                    + (f"missing {_ranges(missing)}" if missing else "")
+                    + (f" unexpected {_ranges(extra)}" if extra else "")
                     + f" (expected 0..{len(expected) - 1})"
                 )
             keep = set(sl.experts) if sl else range(len(items))
@@ -149,8 +149,8 @@ class Filler:
         for pattern, indices in held.items():
             if indices and indices != every:
                 raise CheckpointShapeError(
-                    f"{unit.targets[0]}: checkpoint keys {pattern!r} hold experts {ranges(sorted(indices))}; "
-                    f"missing {ranges(sorted(every - indices))}, which the other tensors of the expert hold"
+                    f"{unit.targets[0]}: checkpoint keys {pattern!r} hold experts {_ranges(sorted(indices))}; "
+                    f"missing {_ranges(sorted(every - indices))}, which the other tensors of the expert hold"
                 )
         stacked = []
         for pattern in unit.converter.source_patterns:
@@ -165,8 +165,10 @@ class Filler:
             raise CheckpointKeyError(f"{unit.targets[0]}: no checkpoint tensor for {unit.converter.source_patterns}")
         if cat_dim is None or len(stacked) == 1:
             return stacked[0]
-        if any(len(s) != len(stacked[0]) or s[:cat_dim] + s[cat_dim + 1:] != stacked[0][:cat_dim] + stacked[0][cat_dim + 1:]
-               for s in stacked):
+        def beside(shape: tuple[int, ...]) -> tuple[int, ...]:  # every dimension but the concatenated one
+            return shape[:cat_dim] + shape[cat_dim + 1:]
+
+        if any(len(s) != len(stacked[0]) or beside(s) != beside(stacked[0]) for s in stacked):
             raise CheckpointShapeError(
                 f"{unit.targets[0]}: the checkpoint's {' + '.join(unit.converter.source_patterns)} "
                 f"({', '.join(str(list(s)) for s in stacked)}) cannot be concatenated along dim {cat_dim}"
@@ -177,7 +179,7 @@ class Filler:
         """``MergeModulelist(0)`` [+ ``Concatenate(d)``] written straight into the (local) parameter."""
         name = unit.targets[0]
         indices = sorted({i for items in unit.sources.values() for i, _ in items if i is not None})
-        what = f"the checkpoint's {' + '.join(unit.converter.source_patterns)} (experts {ranges(indices)})"
+        what = f"the checkpoint's {' + '.join(unit.converter.source_patterns)} (experts {_ranges(indices)})"
         if not self._fits(name, self._stacked_shape(unit, cat_dim), what):
             return None
         local = self._local(unit, name)
@@ -260,7 +262,7 @@ def _lazy(reader: Reader, key: str, rows: list[tuple[int, int]] | None) -> Calla
     return lambda: reader.read(key, rows)
 
 
-def ranges(values: list[int]) -> str:
+def _ranges(values: list[int]) -> str:
     """Sorted integers as compact ranges: ``0-3,5``."""
     if not values:
         return "none"
