@@ -157,7 +157,7 @@ def run_on_ranks(plan, model_dir: Path, out_dir: Path, nproc: int, verify: bool,
     t0 = time.perf_counter()
     try:
         ranks = run_world(nproc, "hp_rewrite.verify:run_rank", payload,
-                          timeout=timeout or max(120.0, plan.runtime.timeout_s * 4))
+                          timeout=timeout or max(120.0, (plan.runtime.timeout_s or 0) * 4))
     except WorldError as e:
         if e.user_error is not None:  # the checkpoint or the options, not the run: a clean error
             raise UserError(e.user_error) from None

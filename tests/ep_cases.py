@@ -33,6 +33,7 @@ from hp_rewrite.runtime import (
     sigmoid_group,
     softmax_topk,
 )
+from hp_rewrite.runtime.groups import backend_name, world_timeout
 
 H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
 FP32_TOL = 1e-5
@@ -429,9 +430,19 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     return result
 
 
+def group_facts() -> dict:
+    """What the EP groups are built with: the world's timeout unless the plan sets one, once per layout."""
+    cpu = torch.device("cpu")
+    first, again = build_expert_parallel_group(dist.get_world_size()), build_expert_parallel_group(dist.get_world_size())
+    short = build_expert_parallel_group(dist.get_world_size(), timeout_s=7)
+    timeout = lambda g: g.group._get_backend(cpu).options._timeout.total_seconds() if g.group else None  # noqa: E731
+    return {"reused": first is again and short is not first, "world_timeout": world_timeout().total_seconds(),
+            "ep_timeout": timeout(first), "plan_timeout": timeout(short), "backend": backend_name()}
+
+
 def run_all(rank: int, world: int, cases: list[dict]) -> dict:
     groups: dict = {}
-    results = {}
+    results = {"groups": group_facts()}
     for case in cases:
         results[case["name"]] = run_case(case, rank, world, groups)
     return results

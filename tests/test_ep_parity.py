@@ -186,3 +186,13 @@ def test_ep_matches_unmodified(world: int, case: str) -> None:
         assert r["ok"], (
             f"rank {rank}: {r['worst']} relative error {r['worst_err']:.3g} > {r['tol']:.0e}; all: {r['errors']}"
         )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_groups_take_the_world_timeout_and_are_built_once(world: int) -> None:
+    """The EP groups wait as long as the world does (on NCCL a shorter timeout is a watchdog abort of a
+    healthy job), the plan's runtime.timeout_s when it sets one; one set of groups per layout."""
+    for rank, results in enumerate(_world(world)):
+        g = results["groups"]
+        assert g["backend"] == "gloo" and g["reused"], (rank, g)
+        assert g["ep_timeout"] == g["world_timeout"] == 120 and g["plan_timeout"] == 7, (rank, g)

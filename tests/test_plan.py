@@ -64,7 +64,7 @@ def test_defaults() -> None:
         "probs",
         False,
         "auto",
-        60.0,
+        None,  # the world's own timeout (NCCL: 10 min), never a shorter one unless the plan says so
     )
     assert plan.output.dir is None and plan.extensions == []
     assert DEFAULT_PLAN == parse_plan("version: 1\nep_size: 1\n")
@@ -86,7 +86,7 @@ def test_canonical_is_complete_sorted_and_plain() -> None:
     assert set(canon) == {"version", "ep_size", "tp_size", "sequence_parallel", "modules", "archetype", "runtime",
                           "placement", "output", "extensions"}
     assert list(canon["runtime"]) == sorted(canon["runtime"])
-    assert canon["runtime"]["timeout_s"] == 60.0 and canon["runtime"]["capacity_factor"] is None
+    assert canon["runtime"]["timeout_s"] is None and canon["runtime"]["capacity_factor"] is None
     assert json.loads(json.dumps(canon)) == canon
     assert Plan.model_validate(canon) == DEFAULT_PLAN
 
@@ -94,7 +94,7 @@ def test_canonical_is_complete_sorted_and_plain() -> None:
 def test_hash_ignores_key_order_formatting_and_explicit_defaults() -> None:
     a = parse_plan("version: 1\nep_size: 4\nruntime:\n  chunks: 2\n  capacity_factor: 1.25\n")
     b = parse_plan(
-        "# same plan\nruntime: {capacity_factor: 1.250, chunks: 2, timeout_s: 60}\n\nep_size:   4\nversion: 1\n"
+        "# same plan\nruntime: {capacity_factor: 1.250, chunks: 2, timeout_s: null}\n\nep_size:   4\nversion: 1\n"
     )
     c = parse_plan(
         "version: 1\nep_size: 4\narchetype: auto\nmodules: {include: ['*']}\nruntime: {chunks: 2, capacity_factor: 1.25}\n"

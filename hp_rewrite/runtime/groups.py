@@ -11,6 +11,7 @@ replicas of the same experts: that second dimension is data parallel for the exp
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -127,9 +128,16 @@ def _consecutive_last(mesh: DeviceMesh, dim: str, field: str, size: int | None) 
     return sub
 
 
+def backend_name(group: dist.ProcessGroup | None = None) -> str:
+    """The backend string of ``group`` (the world by default), lower case: ``"gloo"``, ``"nccl"``, or a
+    per-device list such as ``"cuda:nccl,cpu:gloo"`` (``init_process_group()`` without a backend).
+    Test it with ``"nccl" in name``, never ``==``."""
+    return str(dist.get_backend(group)).lower()
+
+
 def mesh_device_type() -> str:
     """The device type of the world's backend: what a device mesh over it is built for."""
-    backend = str(dist.get_backend()).lower()
+    backend = backend_name()
     if "nccl" in backend and torch.cuda.is_available():
         return "cuda"
     if "hccl" in backend:
@@ -137,25 +145,44 @@ def mesh_device_type() -> str:
     return "cpu"
 
 
-def _timeout_override(timeout_s: float | None, dims: tuple[str, ...]) -> dict | None:
-    """Backend options giving the mesh's groups ``timeout_s`` (gloo and nccl; others keep the world's)."""
-    if not timeout_s:
+def world_timeout() -> timedelta | None:
+    """The timeout the world was initialised with (``init_process_group(timeout=...)``, NCCL's 10 min
+    by default). New groups do not inherit it (torch gives them its per-backend default), so the EP and
+    TP groups are given it explicitly. None when the backend does not say."""
+    world = dist.distributed_c10d._get_default_group()
+    for device in world._device_types:
+        try:
+            return world._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _group_options(timeout: timedelta | None, dims: tuple[str, ...]) -> dict | None:
+    """Backend options giving every group of the mesh ``timeout``. The options go to whatever backend the
+    world uses (``gloo``, ``nccl``, ``cuda:nccl,cpu:gloo``, a plugin such as ``hccl``), which all take
+    their timeout from them; NCCL's must be its own options class."""
+    if timeout is None:
         return None
-    backend = dist.get_backend()
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+    if "nccl" in backend_name() and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:
-        return None
-    options._timeout = timedelta(seconds=timeout_s)
-    return {d: (backend, options) for d in dims}
+        options = torch._C._distributed_c10d.Backend.Options(backend_name().split(",")[0].split(":")[-1])
+    options._timeout = timeout
+    return {d: options for d in dims}
+
+
+def group_timeout(timeout_s: float | None) -> timedelta | None:
+    """What the EP and TP groups wait for a collective: the plan's ``runtime.timeout_s`` when it sets
+    one, else the world's own timeout. On NCCL and HCCL this is the watchdog's: a collective that takes
+    longer aborts the job, so a short one kills a healthy run whose rank is still compiling or saving."""
+    return timedelta(seconds=timeout_s) if timeout_s else world_timeout()
 
 
 def expert_parallel_mesh(ep_size: int, timeout_s: float | None = None) -> DeviceMesh:
     """``("efsdp", "ep")`` over the initialised world: EP groups of ``ep_size`` consecutive ranks, and
-    the ranks holding the same experts along ``efsdp``. ``timeout_s`` bounds every collective of its
-    groups: a rank that stops answering makes the others fail after at most that long."""
+    the ranks holding the same experts along ``efsdp``. Its groups wait ``timeout_s`` for a collective
+    (:func:`group_timeout`: the world's own timeout when None)."""
     return _consecutive_mesh(("efsdp", EP_DIM), "ep_size", ep_size, timeout_s)
 
 
@@ -168,7 +195,7 @@ def _consecutive_mesh(dims: tuple[str, str], field: str, size: int, timeout_s: f
             f"(e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
     return init_device_mesh(mesh_device_type(), (world // size, size), mesh_dim_names=dims,
-                            backend_override=_timeout_override(timeout_s, dims))
+                            backend_override=_group_options(group_timeout(timeout_s), dims))
 
 
 def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
@@ -197,8 +224,11 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
     consecutive ranks too, so an EP group spans whole TP groups (the seed's TP-extended EP group) or
     a TP group whole EP groups.
 
-    Every rank must call it (building a mesh is collective). Without ``torch.distributed``
-    initialised only ``ep_size == 1`` is possible.
+    Every rank must call it (building a mesh is collective). Without a ``mesh`` the groups are built
+    once per world and (``ep_size``, ``tp_size``, ``timeout_s``) and returned again to every later call
+    (every model, every ``from_pretrained``): NCCL makes communicators per group, slow to create at
+    scale and each holding device memory. Without ``torch.distributed`` initialised only
+    ``ep_size == 1`` is possible.
     """
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
@@ -210,6 +240,21 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
                 "multiple of it (launch with torchrun --nproc-per-node N), or use ep_size 1"
             )
         return ExpertParallelGroup.single()
+    if mesh is None:  # one set of groups (NCCL communicators) per world and layout, for every model
+        built = _BUILT.setdefault(dist.distributed_c10d._get_default_group(), {})
+        key = (ep_size, tp_size, timeout_s or None)
+        if key not in built:
+            built[key] = _build(ep_size, None, tp_size, timeout_s)
+        return built[key]
+    return _build(ep_size, mesh, tp_size, timeout_s)
+
+
+# The groups built for each world (keyed by its default process group, so a destroyed and re-initialised
+# world builds its own): a cache of communicators, as torch keeps its groups, not a setting.
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _build(ep_size: int, mesh: DeviceMesh | None, tp_size: int, timeout_s: float | None) -> ExpertParallelGroup:
     if tp_size == 1:
         return ExpertParallelGroup.from_mesh(
             mesh if mesh is not None else expert_parallel_mesh(ep_size, timeout_s), ep_size)

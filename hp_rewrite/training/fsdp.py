@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard
 
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_modules
-from ..runtime.groups import EP_DIM, check_mesh
+from ..runtime.groups import EP_DIM, backend_name, check_mesh
 from . import info_of, rewritten_model
 
 
@@ -111,7 +111,7 @@ def shard_experts(
     views = _views(mesh)
     common = _policies(mp_policy, reshard_after_forward, offload_policy)
     divisor = ep.dp_size  # the batches of one step (the ranks of a TP group share one)
-    sum_only = dist.get_backend() != "nccl"  # gloo and hccl have no PREMUL_SUM: SUM, then scale
+    sum_only = "nccl" not in backend_name()  # gloo and hccl have no PREMUL_SUM: SUM, then scale
     shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
     for _, module in rank_local_modules(inner):  # each experts holder
         torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
