@@ -1,7 +1,8 @@
 """Block-level archetype: the whole MoE block forward, expert-parallel.
 
-router -> dispatch (all-to-all in flight) -> shared expert (overlaps the exchange) -> local experts
-and combine -> shared merge. The generator specialises this template per matched block class:
+router -> dispatch (the count exchange) -> shared expert (queued before the one host read of the split
+sizes; on a GPU on a side stream, overlapping the token exchange) -> local experts and combine ->
+shared merge. The generator specialises this template per matched block class:
 upper-case names are placeholders (attribute names of the block and constants, all declared by
 :class:`Params`), and ``if`` tests on constants are resolved so only the branches the block has remain.
 """
@@ -67,7 +68,7 @@ def forward(self, hidden_states):
         routing = hp.call_router_module(self.ROUTER, hidden)
     state = hp.dispatch(hidden, routing.indices, routing.weights, binding=hp.binding_of(self.EXPERTS))
     if SHARED_MODE != "none":
-        shared = self.SHARED(hidden)  # computed while the dispatch all-to-all is in flight
+        shared = hp.shared_beside(state, self.SHARED, hidden)  # queued before the split-size read
     out = hp.experts_and_combine(state, self.EXPERTS)
     if SHARED_MODE == "gated":
         out = hp.merge_shared(out, shared, "gated", gate_logits=self.SHARED_GATE(hidden))

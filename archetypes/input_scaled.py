@@ -39,7 +39,7 @@ def forward(self, hidden_states):
     indices = torch.topk(logits, TOP_K, dim=1).indices  # the router's own selection (same call, same ties)
     state = hp.dispatch_input_scaled(hidden, indices, scores.gather(1, indices), binding=hp.binding_of(self.EXPERTS))
     if SHARED_MODE != "none":
-        shared = self.SHARED(hidden)  # computed while the dispatch all-to-all is in flight
+        shared = hp.shared_beside(state, self.SHARED, hidden)  # queued before the split-size read
     out = hp.combine_input_scaled(state, self.EXPERTS, TOP_K)
     if SHARED_MODE == "additive":
         out = hp.merge_shared(out, shared, "additive")

@@ -30,6 +30,7 @@ from hp_rewrite.runtime import (
     install_expert_parallel,
     merge_shared,
     moe_forward,
+    shared_beside,
     sigmoid_group,
     softmax_topk,
 )
@@ -230,7 +231,7 @@ def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOp
     if family == "qwen2":
         r = softmax_topk(F.linear(h, blk.gate.weight), 3, renormalize=False)
         state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
-        shared = blk.shared_expert(h)  # overlaps the in-flight dispatch
+        shared = shared_beside(state, blk.shared_expert, h)  # queued before the split-size read
         gate_logits = blk.shared_expert_gate(h)
         routed = experts_and_combine(state, blk.experts)
         return merge_shared(routed, shared, "gated", gate_logits=gate_logits)
@@ -247,7 +248,7 @@ def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOp
             scaling=c.routed_scaling_factor,
         )
         state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
-        shared = blk.shared_experts(h)
+        shared = shared_beside(state, blk.shared_experts, h)
         return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
     if family in ("gpt_oss", "openai_pf"):
         r = call_router_module(blk.router, h)
@@ -256,12 +257,12 @@ def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOp
     if family == "aria":
         r = call_router_module(blk.router, h)
         state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
-        shared = blk.shared_experts(h)
+        shared = shared_beside(state, blk.shared_experts, h)
         return merge_shared(experts_and_combine(state, blk.experts), shared, "additive")
     if family == "laguna":
         r = call_router_module(blk.gate, h)
         state = dispatch(h, r.indices, r.weights, **_routed_kw(blk, ep, opts))
-        shared = blk.shared_experts(h)
+        shared = shared_beside(state, blk.shared_experts, h)
         return merge_shared(
             experts_and_combine(state, blk.experts), shared, "scaled", scale=blk.routed_scaling_factor
         )

@@ -10,12 +10,14 @@ import copy
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from hp_rewrite.verify import gradient_errors
+from tests.host_traffic import HostTraffic
 
 TOL = 1e-5
 REQUIRED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "deepseek_v2",
@@ -73,8 +75,53 @@ def compare(model_type: str, out_dir: str, rank: int = 0, world: int = 1, ep_siz
             "errors": {k: v for k, v in errors.items() if not k.startswith("grad/")}}
 
 
+def host_traffic(model_type: str, out_dir: str, ep_size: int, **runtime) -> dict:
+    """Host reads and host->device uploads per MoE layer in one training step of the rewritten model
+    (:mod:`tests.host_traffic`): in each layer's forward (and whether its shared expert was queued
+    before the first read), and in the whole backward."""
+    plan = plan_for(ep_size, **runtime)
+    ep = build_expert_parallel_group(ep_size)
+    model = build_tiny_model(tiny_config(model_type), seed=0)
+    _, artifact = generate(model, plan, model.config, Path(out_dir))
+    blocks = [model.get_submodule(p) for p in install(model, artifact, plan, ep)]
+    probe = HostTraffic()
+    layers = []
+
+    def enter(block, _args):
+        layers.append({"reads": len(probe.reads), "uploads": len(probe.uploads), "events": len(probe.events)})
+
+    def leave(block, _args, _out):
+        start = layers[-1]
+        events = probe.events[start["events"]:]
+        first_read = events.index("read") if "read" in events else len(events)
+        start.update(reads=probe.reads[start["reads"]:], uploads=probe.uploads[start["uploads"]:],
+                     shared_first="shared" not in events or events.index("shared") < first_read,
+                     has_shared="shared" in events)
+
+    for block in blocks:
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+        for name in ("shared_experts", "shared_expert"):
+            if isinstance(getattr(block, name, None), torch.nn.Module):
+                getattr(block, name).register_forward_pre_hook(lambda *_: probe.mark("shared"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(input_ids=ids)  # a first forward fills what is built once per model (the placement's slot table)
+    with probe:
+        loss = model(input_ids=ids).logits.float().pow(2).mean()
+        backward_start = (len(probe.reads), len(probe.uploads))
+        loss.backward()
+    layers = layers[len(blocks):]  # the measured step's forward
+    return {"layers": len(blocks), "forward": [{"reads": lay["reads"], "uploads": lay["uploads"],
+                                                "shared_first": lay["shared_first"], "has_shared": lay["has_shared"]}
+                                               for lay in layers],
+            "backward_reads": probe.reads[backward_start[0]:], "backward_uploads": probe.uploads[backward_start[1]:]}
+
+
 def run_world_cases(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
-    return {c["name"]: compare(c["model_type"], payload["out_dir"], rank, world, c.get("ep_size", world),
-                               **c.get("runtime", {}))
-            for c in payload["cases"]}
+    results = {c["name"]: compare(c["model_type"], payload["out_dir"], rank, world, c.get("ep_size", world),
+                                  **c.get("runtime", {}))
+               for c in payload["cases"]}
+    for c in payload.get("host_traffic", []):
+        results[f"host-{c['name']}"] = host_traffic(c["model_type"], payload["out_dir"], world, **c.get("runtime", {}))
+    return results

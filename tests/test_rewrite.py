@@ -101,10 +101,31 @@ _EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SC
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
 
 
+_HOST_TRAFFIC_CASES = [{"name": f"{t}-chunks{c}", "model_type": t, "runtime": {"chunks": c}}
+                       for t in ("qwen3_moe", "deepseek_v3") for c in (1, 2)]
+
+
 @pytest.fixture(scope="module")
 def ep2_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ep2")
-    return run_world(2, "tests.rewrite_cases:run_world_cases", {"out_dir": str(out), "cases": _EP2_CASES})
+    return run_world(2, "tests.rewrite_cases:run_world_cases", {"out_dir": str(out), "cases": _EP2_CASES,
+                                                               "host_traffic": _HOST_TRAFFIC_CASES})
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in _HOST_TRAFFIC_CASES])
+def test_ep2_layer_reads_the_host_once_and_uploads_nothing(case: str, ep2_results: list[dict]) -> None:
+    """On a GPU each read of a device value stalls the host until the stream drains, and each tensor built
+    from Python data is a blocking copy: per MoE layer one read (the split sizes), in the forward only,
+    after the shared expert was queued; no upload."""
+    for rank, results in enumerate(ep2_results):
+        r = results[f"host-{case}"]
+        assert len(r["forward"]) == r["layers"] > 0, r
+        for layer in r["forward"]:
+            assert len(layer["reads"]) == 1 and not layer["uploads"], (rank, layer)
+            assert layer["shared_first"], (rank, layer)
+        assert not r["backward_reads"] and not r["backward_uploads"], (rank, r)
+        if case.startswith("deepseek_v3"):  # its MoE layers have a shared expert
+            assert all(layer["has_shared"] for layer in r["forward"]), (rank, r)
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in _EP2_CASES])

@@ -149,8 +149,8 @@ class GroupedMatmul(torch.autograd.Function):
     """Grouped ``x_e @ W_e``: forward and input gradient m-grouped, weight gradient k-grouped (one call each)."""
 
     @staticmethod
-    def forward(ctx, x, weight_in_out, counts, kernel, defer):  # type: ignore[override]
-        ends = _ends(counts, x.device)
+    def forward(ctx, x, weight_in_out, counts, kernel, defer, ends):  # type: ignore[override]
+        ends = _ends(counts, x.device) if ends is None else ends
         ctx.save_for_backward(x, weight_in_out, ends)
         ctx.counts, ctx.kernel, ctx.defer = counts, kernel, defer
         return _m(kernel, x, weight_in_out, counts, ends)
@@ -162,13 +162,14 @@ class GroupedMatmul(torch.autograd.Function):
         grad, k, counts = grad.contiguous(), ctx.kernel, ctx.counts
         dx = _m(k, grad, w.transpose(1, 2), counts, ends) if ctx.needs_input_grad[0] else None
         dw = _weight_grad(ctx, 1, ctx.defer, lambda: _dw(k, x, grad, counts, w, ends))
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_matmul(x: torch.Tensor, weight_in_out: torch.Tensor, counts: list[int], kernel: Kernel | None = None,
-                   defer: Defer | None = None) -> torch.Tensor:
-    """Differentiable grouped GEMM on Ascend (``kernel`` defaults to ``npu_grouped_matmul``)."""
-    return GroupedMatmul.apply(x, weight_in_out, list(counts), kernel or _npu_grouped_matmul, defer)
+                   defer: Defer | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable grouped GEMM on Ascend (``kernel`` defaults to ``npu_grouped_matmul``). ``ends``: the
+    cumulative group ends already on the device (int64); else made from ``counts`` (a host-to-device copy)."""
+    return GroupedMatmul.apply(x, weight_in_out, list(counts), kernel or _npu_grouped_matmul, defer, ends)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
@@ -179,8 +180,8 @@ class GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_up, w_down, counts, kernel, activation, defer_up, defer_down):  # type: ignore[override]
-        ends = _ends(counts, x.device)
+    def forward(ctx, x, w_up, w_down, counts, kernel, activation, defer_up, defer_down, ends):  # type: ignore[override]
+        ends = _ends(counts, x.device) if ends is None else ends
         h = _m(kernel, x, w_up, counts, ends)
         y = _m(kernel, activation(h), w_down, counts, ends)
         ctx.save_for_backward(x, h, w_up, w_down, ends)
@@ -202,12 +203,14 @@ class GroupedSwiGLU(torch.autograd.Function):
         dw_down = _weight_grad(ctx, 2, ctx.defer[1], lambda: _dw(k, a, dy, counts, w_down, ends))
         dx = _m(k, dh, w_up.transpose(1, 2), counts, ends) if ctx.needs_input_grad[0] else None
         dw_up = _weight_grad(ctx, 1, ctx.defer[0], lambda: _dw(k, x, dh, counts, w_up, ends))
-        return dx, dw_up, dw_down, None, None, None, None, None
+        return dx, dw_up, dw_down, None, None, None, None, None, None
 
 
 def grouped_swiglu(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, counts: list[int],
                    activation: Callable[[torch.Tensor], torch.Tensor] | None = None, kernel: Kernel | None = None,
-                   defer: tuple[Defer | None, Defer | None] = (None, None)) -> torch.Tensor:
-    """The grouped expert MLP on Ascend; ``activation`` defaults to ``npu_swiglu`` (``[gate | up]`` halves)."""
+                   defer: tuple[Defer | None, Defer | None] = (None, None),
+                   ends: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped expert MLP on Ascend; ``activation`` defaults to ``npu_swiglu`` (``[gate | up]`` halves);
+    ``ends`` as for :func:`grouped_matmul`."""
     return GroupedSwiGLU.apply(x, w_up, w_down, list(counts), kernel or _npu_grouped_matmul,
-                               activation or npu_swiglu, *defer)
+                               activation or npu_swiglu, *defer, ends)

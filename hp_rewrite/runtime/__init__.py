@@ -9,7 +9,7 @@ from . import expert_modules
 from .capacity import CapacityResult, apply_capacity, expert_capacity
 from .comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .context import ExchangeRuntime
-from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward
+from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
 from .errors import ExpertParallelError
 from .exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
 from .experts import (
@@ -77,6 +77,7 @@ __all__ = [
     "expert_weights",
     "expert_capacity",
     "experts_and_combine",
+    "shared_beside",
     "expert_parallel_forward",
     "exchange_runtimes",
     "install_expert_parallel",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from .comm import WaitHooks
 from .deferred import WeightGradQueue
 from .options import RuntimeOptions
@@ -35,6 +37,15 @@ class ExchangeRuntime:
         self.turn = turn
         self._plain = WaitHooks(turn)
         self._filled = WaitHooks(turn, self.weight_grads)
+        self._side_streams: dict[str, object] = {}
+
+    def side_stream(self, device: torch.device):
+        """The stream the shared experts of these layers run on beside the exchange, one per device
+        (:func:`~.dispatch.shared_beside`)."""
+        key = str(device)
+        if key not in self._side_streams:
+            self._side_streams[key] = torch.get_device_module(device).Stream(device)
+        return self._side_streams[key]
 
     def __deepcopy__(self, memo) -> ExchangeRuntime:
         """Shared, not copied (like the EP group): a deep copy of a model runs over the same state."""

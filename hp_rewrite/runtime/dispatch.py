@@ -7,8 +7,11 @@ Order of work for one MoE layer on one rank (``T`` local tokens, top-k ``K``, ``
    local row; with the default placement the slot is the expert id), so rows are in (destination
    rank, expert) order;
 3. count exchange: every rank learns how many rows each source sends to each of its experts, for all
-   chunks at once; one host sync per layer reads all split sizes;
-4. token exchange (async when ``overlap``): rows travel to the ranks that own their experts;
+   chunks at once; :func:`dispatch` returns here. The grouped GEMMs' offsets are computed from the
+   received counts on the device: the layer uploads nothing;
+4. at :func:`experts_and_combine` (after the block queued its shared expert, :func:`shared_beside`):
+   one host read of every split size of the layer, then the token exchanges (async when ``overlap``):
+   rows travel to the ranks that own their experts;
 5. local experts: received rows are regrouped expert-major and run through grouped GEMMs;
 6. reverse exchange, and on the sending rank ``sum_k weight[t,k] * y[t,k]`` (one batched matmul),
    accumulated in the promoted dtype of (outputs, weights) and cast back to the hidden dtype, like
@@ -25,10 +28,10 @@ each is a :class:`~.exchange.TokenExchange`, chosen once per layer (:func:`~.exc
 What the exchanges do where they block (the micro-batch turn, deferred weight gradients) comes from
 the layer's :class:`~.context.ExchangeRuntime`.
 
-Two-phase use (the shared expert overlaps the in-flight dispatch)::
+Two-phase use (the shared expert is queued before the host read and overlaps the exchange)::
 
     state = dispatch(x, indices, weights, num_experts=E, ep=ep, options=opts)
-    shared = shared_expert(x)
+    shared = shared_beside(state, shared_expert, x)
     routed = experts_and_combine(state, experts)
 """
 
@@ -88,6 +91,19 @@ class Link:
 
 
 @dataclass
+class _Counted:
+    """A dispatch between its count exchange and its host read: what :func:`_launch` needs."""
+
+    bounds: list[slice]
+    plans: list
+    rows_per_dest: torch.Tensor  # [chunks, ep] rows this rank sends to each rank, on the device
+    recv: torch.Tensor  # [src, chunks, cell] count cells received, on the device
+    hidden: torch.Tensor
+    slots: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
 class RoutedDispatch:
     """Pending state between :func:`dispatch` and :func:`experts_and_combine`."""
 
@@ -107,6 +123,9 @@ class RoutedDispatch:
     done: bool = field(default=False)
     identity: torch.Tensor | None = None  # [T, H] zero (identity) experts' weighted sum, taken locally
     tp_tokens: int | None = None  # under TP: the group's token count; only this rank's share was sent
+    counted: _Counted | None = None  # counts exchanged, split sizes not read yet (:func:`_launch`)
+    runtime: ExchangeRuntime | None = None
+    beside: list = field(default_factory=list)  # side streams the current one waits for (:func:`shared_beside`)
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
@@ -205,34 +224,68 @@ def dispatch(
     counts_all = torch.stack(counts)  # [chunks, E]
     rows_per_dest, cells = exchange.count_cells(counts_all.view(len(bounds), ep.size, n_local), plans)
     recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
-    # The one host sync of the layer: every split size of every chunk.
-    host = torch.cat([rows_per_dest.reshape(-1), recv.reshape(-1)]).tolist()
-    n_chunks, width = len(bounds), cells.shape[-1]
-    send_host = host[: n_chunks * ep.size]
-    recv_host = host[n_chunks * ep.size :]
-
-    row_bytes = hidden.shape[-1] * hidden.element_size() + exchange.side_bytes(top_k, weights.dtype)
     per_slot = counts_all.sum(0)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    chunks = []
-    for c, b in enumerate(bounds):
-        send_splits = send_host[c * ep.size : (c + 1) * ep.size]
-        recv_cells = [recv_host[(s * n_chunks + c) * width : (s * n_chunks + c + 1) * width] for s in range(ep.size)]
-        local_counts = [sum(cell[e] for cell in recv_cells) for e in range(n_local)]
-        chunk = Chunk(b, send_splits, exchange.recv_splits(recv_cells, n_local), local_counts)
-        for x in exchange.send(chunk, plans[c], hidden[b], slots[b], weights[b], recv[:, c, :], top_k, n_local, ep.size):
+    counted = _Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights)
+    return RoutedDispatch(
+        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, [], stats, placement,
+        exchange, link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens,
+        counted=counted, runtime=runtime,
+    )
+
+
+def _launch(state: RoutedDispatch) -> None:
+    """Read the layer's split sizes on the host (its one host sync) and start the token exchanges.
+
+    Called by :func:`experts_and_combine`, so whatever the block queues between :func:`dispatch` and
+    it (the shared expert, :func:`shared_beside`) is on the device before the host waits."""
+    c, state.counted = state.counted, None
+    ep, exchange, link, top_k = state.ep, state.exchange, state.link, state.top_k
+    n_local, n_chunks, width = state.placement.num_local, len(c.bounds), c.recv.shape[-1]
+    host = torch.cat([c.rows_per_dest.reshape(-1), c.recv.reshape(-1)]).tolist()  # every chunk's split sizes
+    send_host, recv_host = host[: n_chunks * ep.size], host[n_chunks * ep.size :]
+    local_ends = c.recv[:, :, :n_local].sum(0).cumsum(-1).to(torch.int32)  # [chunks, local]: on the device
+    stats = state.stats
+    for i, b in enumerate(c.bounds):
+        send_splits = send_host[i * ep.size : (i + 1) * ep.size]
+        cells = [recv_host[(s * n_chunks + i) * width : (s * n_chunks + i + 1) * width] for s in range(ep.size)]
+        local_counts = [sum(cell[e] for cell in cells) for e in range(n_local)]
+        chunk = Chunk(b, send_splits, exchange.recv_splits(cells, n_local), local_counts, offsets=local_ends[i])
+        for x in exchange.send(chunk, c.plans[i], c.hidden[b], c.slots[b], c.weights[b], c.recv[:, i, :], top_k,
+                               n_local, ep.size):
             chunk.exchanges.append(
                 comm.exchange(x, chunk.recv_splits, chunk.send_splits, link.group, link.overlap, link.hooks)
             )
         stats.rows_sent += sum(chunk.send_splits)
         stats.rows_received += sum(chunk.recv_splits)
-        chunks.append(chunk)
+        state.chunks.append(chunk)
+    row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
-    return RoutedDispatch(
-        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, chunks, stats, placement,
-        exchange, link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens,
-    )
+
+
+def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """``module(*args)`` (the shared expert), queued before the layer's one host read.
+
+    On a CUDA or NPU device with an exchange to overlap it runs on a side stream: the host's wait for
+    the split sizes then waits for the count exchange only, and the token all-to-all, which NCCL
+    starts after everything queued before it on the current stream, does not wait for the shared
+    expert either. :func:`experts_and_combine` makes the current stream wait for the side stream
+    before it returns. Elsewhere (CPU, ep 1, ``overlap: false``, inside ``torch.compile``) a plain call."""
+    device = args[0].device
+    if state.counted is None or not state.options.overlap or device.type not in ("cuda", "npu") \
+            or torch.compiler.is_compiling():
+        return module(*args)
+    streams = torch.get_device_module(device)
+    main, side = streams.current_stream(device), state.runtime.side_stream(device)
+    side.wait_stream(main)
+    with streams.stream(side):
+        out = module(*args)
+    for a in args:  # read on the side stream: their memory is not reused before it is done
+        a.record_stream(side)
+    out.record_stream(main)  # made on the side stream, used on the current one
+    state.beside.append(side)
+    return out
 
 
 def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch.Tensor:
@@ -259,14 +312,15 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
             "placement=experts.hp_expert_parallel.placement to dispatch"
         )
     state.done = True
+    if state.counted is not None:
+        _launch(state)
     (holder or experts).hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     exchange, link, k = state.exchange, state.link, state.top_k
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []
     for chunk in state.chunks:
         x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
-        batch = (LocalBatch(x, None, chunk.offsets, compute, fill) if chunk.offsets is not None
-                 else LocalBatch.from_counts(x, chunk.local_counts, compute, fill))
+        batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill)
         y = _run_experts(experts, batch, via_call)
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
@@ -274,6 +328,8 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         exchange.combine(chunk, pending.wait(), state.weights[chunk.tokens], k, hidden_size)
         for chunk, pending in zip(state.chunks, combines, strict=True)
     ]
+    for side in state.beside:  # the shared expert, run beside the exchange, is done before it is merged
+        torch.get_device_module(side.device).current_stream(side.device).wait_stream(side)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if state.identity is not None:
         out = out + state.identity

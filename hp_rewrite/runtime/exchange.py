@@ -34,8 +34,10 @@ class Chunk:
     """One chunk of a layer's tokens, in flight between dispatch and combine.
 
     send_splits / recv_splits: rows sent to / received from each rank (host ints).
-    local_counts: received rows per local expert, all sources (None on :class:`OnRankExchange`'s chunk,
-        whose ``offsets`` stay on the device).
+    local_counts: received rows per local expert, all sources, as host ints (None on
+        :class:`OnRankExchange`'s chunk, which has no host value).
+    offsets: the same as cumulative ends on the device (int32), computed there from the received count
+        cells: what the grouped GEMMs take, with no host-to-device copy.
     exchanges: the dispatch exchanges in flight, one per tensor :meth:`TokenExchange.send` returned.
     route: what the layer's :class:`TokenExchange` keeps to regroup and combine this chunk.
     """

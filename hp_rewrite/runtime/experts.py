@@ -407,7 +407,8 @@ def _project(
     deferred = _deferred(batch, weight)
     if kind == "npu":
         sink = _npu_sink(batch, weight, transposed, name)
-        out = npu.grouped_matmul(x, w_in_out.detach() if sink else w_in_out, batch.counts, defer=sink)
+        out = npu.grouped_matmul(x, w_in_out.detach() if sink else w_in_out, batch.counts, defer=sink,
+                                 ends=batch.offsets.long())
     elif kind == "grouped" and deferred:
         refuse_hooked(weight, name)
         out = DeferredGroupedMM.apply(
@@ -514,7 +515,8 @@ def local_experts_forward(
         sinks = (_npu_sink(batch, up, layout.transposed, f"{owner}.{layout.up}"),
                  _npu_sink(batch, down, layout.transposed, f"{owner}.{layout.down}"))
         y = npu.grouped_swiglu(x, w_up.detach() if sinks[0] else w_up, w_down.detach() if sinks[1] else w_down,
-                               batch.counts, activation=_gate_of(module, layout, kind), defer=sinks)
+                               batch.counts, activation=_gate_of(module, layout, kind), defer=sinks,
+                               ends=batch.offsets.long())
         return module.post_expert_norm(y) if layout.post_norm else y
     rows = batch.row_experts() if has_bias or kind == "batched" else None
 

@@ -128,7 +128,9 @@ class Interleaver:
         after the call (``sync_gradients``), not with hooks that expect one backward per step. Grad
         mode is carried into the threads; other thread-local torch state (autocast) is not: enter it
         inside the step. If a step raises, the others still run to the end (their peers expect their
-        collectives) and the first error is raised here.
+        collectives) and the first error is raised here. The caller's accelerator device and current
+        stream (CUDA, NPU) are set in the worker threads, which would otherwise start on device 0's
+        default stream.
         """
         if self._closed:
             raise RuntimeError("Interleaver.run after close()")
@@ -139,11 +141,15 @@ class Interleaver:
         results: list = [None] * n
         errors: list[BaseException | None] = [None] * n
         grad_enabled = torch.is_grad_enabled()
+        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
 
         def run(i: int) -> None:
             token = _TURN.set((turns, i))
             turns.wait_for(i)
             try:
+                if stream is not None:  # a thread starts on device 0's default stream, not the caller's
+                    torch.accelerator.set_device_index(stream.device_index)
+                    torch.accelerator.set_stream(stream)
                 with torch.set_grad_enabled(grad_enabled):
                     results[i] = steps[i]()
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller below
