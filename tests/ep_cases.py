@@ -441,9 +441,72 @@ def group_facts() -> dict:
             "ep_timeout": timeout(first), "plan_timeout": timeout(short), "backend": backend_name()}
 
 
+class _Wire:
+    """Records every ``all_to_all_single`` (dtype and bytes of what this rank sends) while active."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._original = dist.all_to_all_single
+
+    def __enter__(self) -> _Wire:
+        def recording(output, input, *args, **kwargs):
+            self.calls.append((str(input.dtype).replace("torch.", ""), input.numel() * input.element_size()))
+            return self._original(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = recording
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self._original
+
+
+_ADDING = {"IndexAddBackward0", "ScatterAddBackward0", "IndexPutBackward0", "EmbeddingBackward0"}
+
+
+def _graph_sums(out: torch.Tensor) -> list[str]:
+    """Autograd nodes of ``out``'s graph whose backward adds several contributions into one row in an
+    order the device decides (index_add_ / scatter_add_ / index_put_ accumulate; a gather with a repeated
+    index has ``index_add_`` as its backward); [] when every such sum runs in a fixed order."""
+    bad, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        name = type(fn).__name__
+        if name in _ADDING:
+            bad.append(name)
+        if name in ("IndexSelectBackward0", "IndexBackward0"):
+            index = fn._saved_index if name == "IndexSelectBackward0" else fn._saved_indices[0]
+            if index is not None and index.unique().numel() != index.numel():
+                bad.append(f"{name} with a repeated index")
+        todo.extend(f for f, _ in fn.next_functions)
+    return bad
+
+
+def wire_facts(family: str, ep, dedup: bool, chunks: int = 1) -> dict:
+    """One bf16 layer at EP=ep.size: the all-to-alls of its forward and backward (dtypes and bytes), and
+    whether its autograd graph sums any token's contributions in a device-decided order."""
+    blk = build_block(family).to(torch.bfloat16)
+    opts = RuntimeOptions(dedup=dedup, chunks=chunks)
+    install_expert_parallel(blk.experts, num_experts=E, ep=ep, options=opts)
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(dist.get_rank())).to(torch.bfloat16)
+    x.requires_grad_()
+    with _Wire() as forward:
+        out = ep_forward(family, blk, x, ep, opts)
+    unordered = _graph_sums(out)  # before the backward frees the saved indices
+    with _Wire() as backward:
+        out.float().pow(2).sum().backward()
+    return {"forward": forward.calls, "backward": backward.calls, "unordered_sums": unordered}
+
+
 def run_all(rank: int, world: int, cases: list[dict]) -> dict:
     groups: dict = {}
     results = {"groups": group_facts()}
+    if world > 1:
+        ep = build_expert_parallel_group(world)
+        results["wire"] = {f"{f}-{'dedup' if d else 'per-slot'}-chunks{c}": wire_facts(f, ep, d, c)
+                           for f in ("deepseek_v3", "mixtral", "qwen3") for d in (True, False) for c in (1, 2)}
     for case in cases:
         results[case["name"]] = run_case(case, rank, world, groups)
     return results

@@ -196,3 +196,20 @@ def test_groups_take_the_world_timeout_and_are_built_once(world: int) -> None:
         g = results["groups"]
         assert g["backend"] == "gloo" and g["reused"], (rank, g)
         assert g["ep_timeout"] == g["world_timeout"] == 120 and g["plan_timeout"] == 7, (rank, g)
+
+
+WIRE = [f"{f}-{d}-chunks{c}" for f in ("deepseek_v3", "mixtral", "qwen3") for d in ("dedup", "per-slot") for c in (1, 2)]
+
+
+@pytest.mark.parametrize("case", WIRE)
+def test_bf16_layer_sends_hidden_dtype_rows_once_each_way(case: str) -> None:
+    """A bf16 layer (DeepSeek-V3 and Mixtral route with fp32 weights) makes one count exchange and one
+    all-to-all per direction per chunk, forward and backward, every row in bf16 (side values packed in);
+    no sum over a token's contributions runs in an order the device picks (CUDA atomics)."""
+    chunks = int(case[-1])
+    for rank, results in enumerate(_world(2)):
+        r = results["wire"][case]
+        dtypes = [d for d, _ in r["forward"]]
+        assert dtypes == ["int64"] + ["bfloat16"] * 2 * chunks, (rank, r["forward"])
+        assert [d for d, _ in r["backward"]] == ["bfloat16"] * 2 * chunks, (rank, r["backward"])
+        assert r["unordered_sums"] == [], (rank, r["unordered_sums"])

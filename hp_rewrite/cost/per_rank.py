@@ -16,7 +16,7 @@ from .routing import Histograms, RankLoads, rank_loads
 from .spec import ModelSpec, MoELayerSpec
 
 COUNT_BYTES = 8  # the runtime exchanges int64 split sizes
-SIDE_BYTES = 4  # dedup: each row's routing weights and local expert ids travel as float32
+SIDE_BYTES = 4  # dedup: each row carries its routing weights (fp32 at most) and int32 local ids as extra columns
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,18 @@
 """Token-deduplicated exchange: one row per (token, destination rank) instead of one per routed slot.
 
 With top-k routing a token often has several experts on the same rank. The plain exchange sends it
-once per slot and brings back one expert output per slot; here it travels once per rank, with a
-small side tensor naming its experts there (local ids, -1 where the slot is not on that rank) and
-their routing weights. The owning rank runs each (row, expert) pair through the grouped GEMMs in the
+once per slot and brings back one expert output per slot; here it travels once per rank, with its
+side values there (the local ids of its experts on that rank, -1 elsewhere, and their routing
+weights) packed into the same row (:func:`~.rows.pack_rows`: one all-to-all per direction, rows in
+the hidden dtype). The owning rank runs each (row, expert) pair through the grouped GEMMs in the
 same order as the plain path (expert-major, then source rank, token, slot), weights the outputs and
-adds them per row (``index_add``, as transformers' own expert loop adds its outputs; on CUDA the
-order of those adds follows atomics), and sends back one partial sum per row. The sending rank adds
-its partials over the destination ranks in ascending rank order (a padded sum: deterministic).
+adds them per row in slot order, accumulated in the promoted dtype of (outputs, weights), and sends
+back one partial per row, cast to the hidden dtype. The sending rank adds its partials over the
+destination ranks in ascending rank order, in the promoted dtype. Every sum runs in a fixed order
+(:mod:`.rows`), forward and backward: bf16 results are the same from run to run.
 
-Everything here is differentiable where it must be: the weights travel inside the side tensor, so the
+Everything here is differentiable where it must be: the weights travel inside the packed rows, so the
 router gradient is computed where the expert outputs are and returns through the reverse exchange.
-The side tensor is float (ids < 2**24 are exact); for fp32 hidden states it rides in the same
-exchange as the rows (extra columns), otherwise in a second exchange.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from . import rows
 
 
 @dataclass
@@ -47,23 +49,20 @@ def plan_rows(slots: torch.Tensor, num_local: int, ep_size: int) -> DedupRows:
     return DedupRows(hit, order, hit.sum(0))
 
 
-def side_dtype(weights_dtype: torch.dtype) -> torch.dtype:
-    """Float type of the side tensor: exact for the weights, and for local ids below 2**24."""
-    return torch.promote_types(weights_dtype, torch.float32)
-
-
 @dataclass
 class SentRows:
     tokens: torch.Tensor  # [S] token (within the chunk) of each sent row
-    side: torch.Tensor  # [S, 2K] routing weights on the destination (0 elsewhere), then local ids (-1)
-    combine_index: torch.Tensor  # [S] where each returned partial lands in the padded [n * fan, H] sum
+    weights: torch.Tensor  # [S, K] routing weights of the slots on the destination (0 elsewhere)
+    local_ids: torch.Tensor  # [S, K] their local expert ids there (-1 elsewhere)
+    combine_index: torch.Tensor  # [S] where each returned partial lands: token * fan + its place among them
     fan: int  # most destination ranks one token can have: min(K, ep)
+    copies: torch.Tensor  # [n, fan] per token, its sent rows in destination order (rows.copy_table)
 
 
 def sent_rows(
     plan: DedupRows, num_sent: int, slots: torch.Tensor, weights: torch.Tensor, num_local: int
 ) -> SentRows:
-    """The ``num_sent`` rows of the chunk, their side tensor and where their partial sums go back."""
+    """The ``num_sent`` rows of the chunk, their side values and where their partial sums go back."""
     n, top_k = slots.shape
     ep_size = plan.hit.shape[1]
     flat = plan.order[:num_sent]
@@ -72,41 +71,52 @@ def sent_rows(
     token_slots = slots.index_select(0, tokens)
     here = torch.div(token_slots, num_local, rounding_mode="floor") == rank.unsqueeze(1)
     local_ids = torch.where(here, token_slots - rank.unsqueeze(1) * num_local, -1)
-    token_weights = weights.index_select(0, tokens)
-    routed_weights = torch.where(here, token_weights, torch.zeros_like(token_weights))
-    dtype = side_dtype(weights.dtype)
-    side = torch.cat([routed_weights.to(dtype), local_ids.to(dtype)], dim=1)
     fan = min(top_k, ep_size)
     position = plan.hit.cumsum(1) - 1  # the row's place among its token's destination ranks
     combine_index = tokens * fan + position[tokens, rank]
-    return SentRows(tokens, side, combine_index, fan)
+    copies = rows.copy_table(combine_index, n, fan)
+    token_weights = rows.gather_rows(weights, tokens, copies)
+    routed_weights = torch.where(here, token_weights, torch.zeros_like(token_weights))
+    return SentRows(tokens, routed_weights, local_ids, combine_index, fan, copies)
 
 
-def pairs_of(side: torch.Tensor, top_k: int, num_local: int, num_pairs: int) -> torch.Tensor:
-    """Flat ``row * K + k`` ids of the received (row, slot) pairs, expert-major (stable: source rank,
-    token, slot within an expert, as the plain path orders them)."""
-    ids = side[:, top_k:].detach().long().reshape(-1)
-    key = torch.where(ids >= 0, ids, num_local)
-    return torch.sort(key, stable=True).indices[:num_pairs]
+@dataclass
+class ReceivedPairs:
+    """The (row, slot) pairs a rank's experts compute, for rows received with their side values."""
+
+    pairs: torch.Tensor  # [P] flat row * K + k, expert-major (source rank, token, slot within an expert)
+    rows: torch.Tensor  # [P] the row of each pair
+    table: torch.Tensor  # [R, min(K, local)] per row, its pairs by slot order (rows.copy_table)
+    weights: torch.Tensor  # [P] each pair's routing weight (differentiable)
 
 
-def weighted_rows(
-    y: torch.Tensor, pairs: torch.Tensor, side: torch.Tensor, top_k: int, weights_dtype: torch.dtype
-) -> torch.Tensor:
-    """``[R, H]``: per received row, the sum of its experts' outputs times their weights, in the promoted
-    dtype of (outputs, weights) like the plain path's weighted sum. ``y``: one output per pair, in the
-    order of ``pairs``. An index_add over the pairs (as transformers' own expert loop adds its outputs),
-    so no padded ``[R, K, H]`` tensor is built: most of a row's K slots live on other ranks."""
+def received_pairs(weights: torch.Tensor, ids: torch.Tensor, num_local: int, num_pairs: int) -> ReceivedPairs:
+    """The pairs of rows received with ``weights [R, K]`` and local ``ids [R, K]`` (-1: not here), in the
+    order the plain path gives the experts their rows."""
+    num_rows, top_k = ids.shape
+    ids = ids.long()
+    here = ids >= 0
+    key = torch.where(here, ids, num_local).reshape(-1)
+    pairs = torch.sort(key, stable=True).indices[:num_pairs]
+    row_of = torch.div(pairs, top_k, rounding_mode="floor")
+    width = min(top_k, num_local)
+    place = (here.cumsum(1) - 1).reshape(-1).index_select(0, pairs)  # the pair's place among its row's
+    table = rows.copy_table(row_of * width + place, num_rows, width)
+    return ReceivedPairs(pairs, row_of, table, weights.reshape(-1).index_select(0, pairs))
+
+
+def weighted_partials(y: torch.Tensor, received: ReceivedPairs, weights_dtype: torch.dtype) -> torch.Tensor:
+    """``[R, H]`` in ``y``'s dtype: per received row the sum of its experts' outputs times their weights,
+    accumulated in the promoted dtype of (outputs, weights) in slot order, then cast to the hidden
+    dtype to travel back (``y``: one output per pair, in the order of ``received.pairs``)."""
     dtype = torch.promote_types(y.dtype, weights_dtype)
-    w = side[:, :top_k].to(weights_dtype).reshape(-1).index_select(0, pairs).to(dtype)
-    out = y.new_zeros((side.shape[0], y.shape[-1]), dtype=dtype)  # in place below: no second [R, H] copy
-    return out.index_add_(0, torch.div(pairs, top_k, rounding_mode="floor"), y.to(dtype) * w.unsqueeze(1))
+    out = rows.weighted_row_sum(y, received.weights, received.table, received.rows, dtype)
+    return out.to(y.dtype)
 
 
-def sum_partials(partials: torch.Tensor, sent: SentRows, num_tokens: int) -> torch.Tensor:
-    """``[n, H]``: each token's partial sums added over its destination ranks in ascending rank order."""
+def sum_partials(partials: torch.Tensor, sent: SentRows, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, H]`` in ``dtype``: each token's partial sums added over its destination ranks in ascending
+    rank order."""
     hidden = partials.shape[-1]
     padded = partials.new_zeros((num_tokens * sent.fan, hidden)).index_copy_(0, sent.combine_index, partials)
-    if sent.fan == 1:
-        return padded
-    return padded.view(num_tokens, sent.fan, hidden).sum(1)
+    return padded.view(num_tokens, sent.fan, hidden).sum(1, dtype=dtype)

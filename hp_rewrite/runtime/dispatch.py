@@ -259,7 +259,7 @@ def _launch(state: RoutedDispatch) -> None:
         stats.rows_sent += sum(chunk.send_splits)
         stats.rows_received += sum(chunk.recv_splits)
         state.chunks.append(chunk)
-    row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype)
+    row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype, c.hidden.dtype)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
 

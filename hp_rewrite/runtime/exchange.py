@@ -11,11 +11,13 @@ are weighted, sent back and summed per token. :func:`exchange_for` picks one per
   regroups them expert-major, and the sending rank does ``sum_k weight[t,k] * y[t,k]`` (one batched
   matmul in the promoted dtype of outputs and weights). :class:`NpuPerSlotExchange` is the same with
   its permutations on Ascend's token permute ops (``runtime.compute: npu``, or ``auto`` on an NPU).
-* :class:`DedupExchange` (``runtime.dedup``, ep > 1): one row per (token, rank) with a side tensor of
-  local expert ids and weights; the owning rank weights and sums its experts' outputs per row, and the
-  sending rank adds one partial per destination rank (see :mod:`.dedup`).
+* :class:`DedupExchange` (``runtime.dedup``, ep > 1): one row per (token, rank) with its local expert
+  ids and weights packed in as extra columns; the owning rank weights and sums its experts' outputs per
+  row, and the sending rank adds one partial per destination rank (see :mod:`.dedup`).
 
-The experts see the same rows in the same order either way.
+The experts see the same rows in the same order either way. Either way a layer makes one count
+exchange and one all-to-all per direction (per chunk), the rows in the hidden dtype, and every sum over
+a token's slots runs in a fixed order (:mod:`.rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from ..kernels import npu_permute
 from . import comm, dedup
+from . import rows as rows_mod
 
 
 @dataclass
@@ -61,7 +64,7 @@ class TokenExchange(Protocol):
         """From ``per_dest [chunks, ep, local]`` (slots per destination expert): rows sent to each rank
         ``[chunks, ep]`` and the count cells the receivers get ``[chunks, ep, width]``."""
 
-    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> int:
         """Bytes each dispatched row carries beside its hidden state."""
 
     def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
@@ -126,7 +129,7 @@ class PerSlotExchange:
     def count_cells(self, per_dest: torch.Tensor, plans: list) -> tuple[torch.Tensor, torch.Tensor]:
         return per_dest.sum(-1), per_dest
 
-    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> int:
         return 0
 
     def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
@@ -135,7 +138,7 @@ class PerSlotExchange:
     def send(self, chunk, plan, hidden, slots, weights, recv_counts, top_k, num_local, ep_size) -> list[torch.Tensor]:
         rows = plan[: sum(chunk.send_splits)]
         chunk.route = self._route(rows, recv_counts, sum(chunk.recv_splits), ep_size)
-        return [hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))]
+        return [_slot_rows(hidden, rows, top_k)]
 
     def _route(self, rows: torch.Tensor, recv_counts: torch.Tensor, received: int, ep_size: int) -> _SlotRoute:
         return _SlotRoute(rows, _expert_major_positions(recv_counts, received) if ep_size > 1 else None)
@@ -168,6 +171,13 @@ class PerSlotExchange:
         inverse = torch.empty_like(rows)
         inverse[rows] = torch.arange(len(rows), device=inverse.device)
         return back.index_select(0, inverse)
+
+
+def _slot_rows(hidden: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The hidden state of each slot id ``t * K + k`` in ``slots``: its backward adds a token's K slot
+    gradients in slot order (:mod:`.rows`), not by atomics."""
+    token = torch.div(slots, top_k, rounding_mode="floor")
+    return rows_mod.gather_rows(hidden, token, rows_mod.copy_table(slots, hidden.shape[0], top_k))
 
 
 def _weighted_sum(slots: torch.Tensor, weights: torch.Tensor, top_k: int, hidden_size: int) -> torch.Tensor:
@@ -203,7 +213,7 @@ class OnRankExchange:
         kept = (flat.index_select(0, order) < per_expert.shape[0]).unsqueeze(1) if sentinels else None
         chunk = Chunk(slice(0, slots.shape[0]), [n_slots], [n_slots], None, route=_OnRankRoute(order, kept),
                       offsets=offsets)
-        rows = hidden.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+        rows = _slot_rows(hidden, order, top_k)
         chunk.exchanges.append(comm.exchange(rows, [n_slots], [n_slots], None, overlap=False))  # stays here
         return chunk
 
@@ -244,6 +254,7 @@ class NpuPerSlotExchange(PerSlotExchange):
 @dataclass
 class _DedupRoute:
     sent: dedup.SentRows  # the deduplicated rows
+    weights_dtype: torch.dtype  # of the routing weights packed into them
 
 
 class DedupExchange:
@@ -257,35 +268,31 @@ class DedupExchange:
         rows_per_dest = torch.stack([p.per_rank for p in plans])  # [chunks, ep]
         return rows_per_dest, torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
 
-    def side_bytes(self, top_k: int, weights_dtype: torch.dtype) -> int:  # each row carries weights and ids
-        return 2 * top_k * torch.finfo(dedup.side_dtype(weights_dtype)).bits // 8
+    def side_bytes(self, top_k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> int:
+        # each row carries its weights and int32 ids as extra columns of the hidden dtype
+        return sum(rows_mod.side_columns(top_k, weights_dtype, hidden_dtype)) * hidden_dtype.itemsize
 
     def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
         return [cell[num_local] for cell in cells]
 
     def send(self, chunk, plan, hidden, slots, weights, recv_counts, top_k, num_local, ep_size) -> list[torch.Tensor]:
         sent = dedup.sent_rows(plan, sum(chunk.send_splits), slots, weights, num_local)
-        chunk.route = _DedupRoute(sent)
-        send_x = hidden.index_select(0, sent.tokens)
-        if send_x.dtype == sent.side.dtype:  # one exchange: the side tensor as extra columns
-            return [torch.cat([send_x, sent.side], dim=1)]
-        return [sent.side, send_x]  # the side tensor in a second exchange, started first
+        chunk.route = _DedupRoute(sent, weights.dtype)
+        send_x = rows_mod.gather_rows(hidden, sent.tokens, sent.copies)
+        return [rows_mod.pack_rows(send_x, sent.weights, sent.local_ids)]  # one exchange: side values packed
 
     def expert_rows(self, chunk, top_k, num_local, hidden_size):
-        x = chunk.exchanges[-1].wait()
-        if len(chunk.exchanges) == 1:
-            x, side = x[:, :hidden_size], x[:, hidden_size:]
-        else:
-            side = chunk.exchanges[0].wait()
-        pairs = dedup.pairs_of(side, top_k, num_local, sum(chunk.local_counts))
-        return x.index_select(0, torch.div(pairs, top_k, rounding_mode="floor")), (pairs, side)
+        x, weights, ids = rows_mod.unpack_rows(chunk.exchanges[0].wait(), hidden_size, chunk.route.weights_dtype,
+                                               top_k)
+        received = dedup.received_pairs(weights, ids, num_local, sum(chunk.local_counts))
+        return rows_mod.gather_rows(x, received.rows, received.table), received
 
     def returned_rows(self, chunk, y, held, top_k, weights_dtype):
-        pairs, side = held
-        return dedup.weighted_rows(y, pairs, side, top_k, weights_dtype)
+        return dedup.weighted_partials(y, held, weights_dtype)
 
     def combine(self, chunk, back, weights, top_k, hidden_size):
-        return dedup.sum_partials(back, chunk.route.sent, chunk.tokens.stop - chunk.tokens.start)
+        dtype = torch.promote_types(back.dtype, weights.dtype)
+        return dedup.sum_partials(back, chunk.route.sent, chunk.tokens.stop - chunk.tokens.start, dtype)
 
 
 PER_SLOT = PerSlotExchange()

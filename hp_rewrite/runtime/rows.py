@@ -1,0 +1,164 @@
+"""Row gathers and per-row sums whose reductions run in a fixed order, and side values packed into rows.
+
+A token's K routed slots come back as K rows (or as one partial sum per destination rank), and a
+gather that copies one row to several places has a backward that sums those copies. torch's
+``index_select`` backward is ``index_add_``: on CUDA that is atomics, so each token's contributions
+are added in a run-dependent order and rounded in bf16 at each step: gradients that differ bitwise
+from run to run. Here every such sum is a loop over a token's copy *positions* (slot 0, 1, ...):
+``table [n, width]`` names, for each output row, the source row of each position (``len(src)`` where
+there is none). Each pass is a gather with distinct indices, accumulated in the promoted dtype, so
+the result does not depend on the device's scheduling and no ``[n, width, H]`` buffer is built.
+
+Side values (routing weights, expert ids) travel as extra columns of the rows' own exchange, their
+bytes reinterpreted in the hidden dtype (:func:`pack_rows`): one all-to-all per direction, and the
+rows stay in the hidden dtype whatever the weights' dtype. The exchange only moves bytes, so the
+values and the weights' gradients arrive bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
+
+
+def copy_table(positions: torch.Tensor, num_rows: int, width: int) -> torch.Tensor:
+    """``[num_rows, width]``: for each row and position, which copy it is (the number of copies for none).
+    ``positions``: each copy's ``row * width + position`` (distinct)."""
+    n = positions.shape[0]
+    table = torch.full((num_rows * width,), n, dtype=torch.long, device=positions.device)
+    table[positions] = torch.arange(n, device=positions.device)
+    return table.view(num_rows, width)
+
+
+def fixed_order_sum(rows: torch.Tensor, table: torch.Tensor, weights: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[r] = sum_j weights[table[r, j]] * rows[table[r, j]]``, position 0 first, in ``dtype`` (the
+    promoted one by default)."""
+    if dtype is None:
+        dtype = rows.dtype if weights is None else torch.promote_types(rows.dtype, weights.dtype)
+    n, width = table.shape
+    padded = torch.cat([rows, rows.new_zeros((1, rows.shape[-1]))])
+    w = None if weights is None else torch.cat([weights, weights.new_zeros(1)])
+    out = rows.new_zeros((n, rows.shape[-1]), dtype=dtype)
+    for j in range(width):
+        term = padded.index_select(0, table[:, j]).to(dtype)
+        if w is not None:
+            term = term * w.index_select(0, table[:, j]).to(dtype).unsqueeze(1)
+        out += term
+    return out
+
+
+class _GatherRows(Function):
+    @staticmethod
+    def forward(ctx, src, index, table):  # type: ignore[override]
+        ctx.save_for_backward(table)
+        return src.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (table,) = ctx.saved_tensors
+        return fixed_order_sum(grad, table, dtype=torch.promote_types(grad.dtype, torch.float32)).to(grad.dtype), \
+            None, None
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``src.index_select(0, index)`` whose backward adds each source row's copies in position order:
+    ``table`` (:func:`copy_table`) lists, per source row, its copies in ``index``."""
+    return _GatherRows.apply(src, index, table)
+
+
+class _WeightedRowSum(Function):
+    @staticmethod
+    def forward(ctx, y, weights, table, row_of, dtype):  # type: ignore[override]
+        ctx.save_for_backward(y, weights, row_of)
+        return fixed_order_sum(y, table, weights, dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        y, weights, row_of = ctx.saved_tensors
+        g = grad.index_select(0, row_of)  # each pair's row gradient: a gather, nothing summed
+        grad_y = (g * weights.to(g.dtype).unsqueeze(1)).to(y.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (g * y.to(g.dtype)).sum(-1).to(weights.dtype) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None, None
+
+
+def weighted_row_sum(y: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, row_of: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """``[R, H]`` in ``dtype``: per row the sum of its pairs' ``weights[p] * y[p]`` in position order
+    (``table [R, width]``); ``row_of [P]``: each pair's row."""
+    return _WeightedRowSum.apply(y, weights, table, row_of, dtype)
+
+
+def _as_columns(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of ``t [S, n]`` as columns of ``dtype`` (zero-padded to whole elements)."""
+    raw = t.contiguous().view(torch.uint8)
+    size = torch.empty((), dtype=dtype).element_size()
+    pad = -raw.shape[1] % size
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros((raw.shape[0], pad))], dim=1)
+    return raw.view(dtype)
+
+
+def _from_columns(cols: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """The inverse of :func:`_as_columns`: ``[S, n]`` of ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return cols.contiguous().view(torch.uint8)[:, : n * size].contiguous().view(dtype)
+
+
+def side_columns(k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> tuple[int, int]:
+    """How many ``hidden_dtype`` columns ``k`` weights and ``k`` int32 ids take."""
+    size = torch.empty((), dtype=hidden_dtype).element_size()
+    width = lambda dt: -(-k * torch.empty((), dtype=dt).element_size() // size)  # noqa: E731
+    return width(weights_dtype), width(torch.int32)
+
+
+class _Pack(Function):
+    @staticmethod
+    def forward(ctx, x, weights, ids):  # type: ignore[override]
+        ctx.hidden, ctx.weights_dtype, ctx.k = x.shape[1], weights.dtype, weights.shape[1]
+        return torch.cat([x, _as_columns(weights, x.dtype), _as_columns(ids.to(torch.int32), x.dtype)], dim=1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        w_cols, _ = side_columns(ctx.k, ctx.weights_dtype, grad.dtype)
+        h = ctx.hidden
+        return grad[:, :h], _from_columns(grad[:, h : h + w_cols], ctx.weights_dtype, ctx.k), None
+
+
+class _Unpack(Function):
+    @staticmethod
+    def forward(ctx, packed, hidden, weights_dtype, k):  # type: ignore[override]
+        w_cols, id_cols = side_columns(k, weights_dtype, packed.dtype)
+        ctx.hidden, ctx.weights_dtype, ctx.k, ctx.id_cols = hidden, weights_dtype, k, id_cols
+        ctx.rows_dtype = packed.dtype
+        x = packed[:, :hidden]
+        weights = _from_columns(packed[:, hidden : hidden + w_cols], weights_dtype, k)
+        ids = _from_columns(packed[:, hidden + w_cols :], torch.int32, k)
+        ctx.mark_non_differentiable(ids)
+        return x, weights, ids
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_x, grad_w, _grad_ids):  # type: ignore[override]
+        if grad_x is None:
+            grad_x = torch.zeros((grad_w.shape[0], ctx.hidden), dtype=ctx.rows_dtype, device=grad_w.device)
+        if grad_w is None:
+            grad_w = torch.zeros((grad_x.shape[0], ctx.k), dtype=ctx.weights_dtype, device=grad_x.device)
+        ids = grad_x.new_zeros((grad_x.shape[0], ctx.id_cols))
+        return torch.cat([grad_x, _as_columns(grad_w, grad_x.dtype), ids], dim=1), None, None, None
+
+
+def pack_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[S, H + side]`` in ``x``'s dtype: the rows, then the bytes of ``weights [S, K]`` (differentiable)
+    and of ``ids [S, K]`` (as int32)."""
+    return _Pack.apply(x, weights, ids)
+
+
+def unpack_rows(packed: torch.Tensor, hidden: int, weights_dtype: torch.dtype, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x [S, H], weights [S, K], ids [S, K] int32)`` from :func:`pack_rows`' rows."""
+    return _Unpack.apply(packed, hidden, weights_dtype, k)
