@@ -1,5 +1,5 @@
 """Count what would stall the host on a GPU, on CPU: reads of tensor values into Python and tensors built
-from Python data.
+from Python data; and the peak of temporaries a block of code makes (:class:`LiveTemporaries`).
 
 On CUDA a read (``tolist``, ``item``, ``bool(t)``, ``nonzero``...) waits for every kernel queued on the
 stream, and ``torch.tensor(python list)`` on the device is a blocking copy from pageable memory. On CPU
@@ -11,10 +11,13 @@ that records each such call with the Python frame that made it. Calls below torc
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 READS = {
     torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -68,3 +71,27 @@ class HostTraffic(TorchFunctionMode):
 
     def mark(self, what: str) -> None:
         self.events.append(what)
+
+
+class LiveTemporaries(TorchDispatchMode):
+    """The most bytes of tensors made inside the block that were alive at once (``peak``).
+
+    Every op's outputs that do not share storage with its inputs (a ``cat``, an ``empty``: new memory;
+    not an in-place op or a view) are followed until Python drops them, by storage; ``peak`` is the
+    largest total seen after any op. What the CPU can say about a GPU's ``max_memory_allocated``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+        self._live: list[tuple[weakref.ref, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                storage = t.untyped_storage()
+                self._live.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+        self._live = [entry for entry in self._live if entry[0]() is not None]
+        self.peak = max(self.peak, sum({ptr: n for _, ptr, n in self._live}.values()))
+        return out

@@ -120,6 +120,7 @@ CHANGES = [
     "runtime: {defer_expert_grads: true}",
     "runtime: {router_dtype: fp32}",
     "runtime: {timeout_s: 120}",
+    "runtime: {grad_bucket_mb: 100}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

@@ -26,8 +26,11 @@ CASES = [  # (world, ep_size, model_type, aux, balanced placement)
                          ids=[f"world{w}-ep{e}-{m}" + ("-balanced" if b else "") for w, e, m, _, b in CASES])
 def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, balanced, tmp_path: Path) -> None:
     payload = {"ep_size": ep_size, "model_type": model_type, "aux": aux, "out_dir": str(tmp_path),
-               "balanced": balanced}
+               "balanced": balanced, "plan": "runtime:\n  grad_bucket_mb: 0.004\n"}  # 4 KiB: many buckets
     for rank, r in enumerate(run_world(world, "tests.training_cases:training_step", payload)):
+        # sync_gradients holds one bucket's copy at a time (experts without replicas: none at all)
+        assert r["expert_grad_bytes"] > 4 * r["bucket_bytes"] and r["dense_grad_bytes"] > 4 * r["bucket_bytes"], r
+        assert 0 < r["sync_peak"] <= r["bucket_bytes"], r
         assert r["grad_worst"] <= TOL, f"rank {rank}: gradient of {r['grad_worst_name']} off by {r['grad_worst']:.2e}"
         assert r["worst"] <= TOL, f"rank {rank}: {r['worst_name']} differs by {r['worst']:.2e} after one step"
         assert all(n * ep_size == r["local_experts"][0] * ep_size for n in r["local_experts"])

@@ -14,8 +14,9 @@ from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_parameters, expert_weights, local_rows
+from hp_rewrite.runtime import expert_parameters, expert_weights, local_rows, rank_local_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
+from tests.host_traffic import LiveTemporaries
 
 TOL = 1e-5
 
@@ -69,7 +70,13 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
         same_batch = copy.deepcopy(ref)(input_ids=ids[mine], **kwargs)
         result["aux_rel"] = (abs(out.aux_loss.item() - same_batch.aux_loss.item())
                              / max(abs(same_batch.aux_loss.item()), 1e-12))
-    sync_gradients(model)
+    with LiveTemporaries() as temporaries:  # the reduction's own copies (plan: runtime.grad_bucket_mb)
+        sync_gradients(model)
+    expert_ids = {id(p) for p in rank_local_parameters(model)}
+    result.update(sync_peak=temporaries.peak, bucket_bytes=int(plan.runtime.grad_bucket_mb * 2**20),
+                  expert_grad_bytes=sum(p.grad.nbytes for p in model.parameters() if id(p) in expert_ids),
+                  dense_grad_bytes=sum(p.grad.nbytes for p in model.parameters()
+                                       if id(p) not in expert_ids and p.grad is not None))
     # Adam's first step is invariant to the gradient's scale, so the scale is checked on the
     # synchronised gradients themselves (a 2x expert gradient would pass the parameter check).
     grad_err, grad_name = _worst(model, ref, lambda p: p.grad, floor_of=lambda ps: max(

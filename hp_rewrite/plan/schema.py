@@ -119,6 +119,7 @@ class RuntimeSection(_Section):
     defer_expert_grads: bool = False
     router_dtype: RouterDtype = "auto"
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    grad_bucket_mb: float = Field(25.0, gt=0, allow_inf_nan=False)
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""

@@ -14,8 +14,9 @@ rank's tokens (every rank the same number of tokens). After backward:
   mean. Averaging expert gradients over the world instead (DDP on everything) would mix different
   experts; dividing only by the replica size would leave them ep_size times too large.
 
-``sync_gradients(model, ep)`` applies exactly this after backward, with one coalesced all-reduce per
-group; :class:`GradientSync` applies it during backward, bucket by bucket, like DDP.
+``sync_gradients(model, ep)`` applies exactly this after backward, bucket by bucket (one bucket's copy
+at a time; expert gradients without replicas are only scaled, never copied); :class:`GradientSync`
+applies it during backward, bucket by bucket, like DDP.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from .errors import ExpertParallelError
 from .experts import holder_of
 from .gradnorm import mark_expert_grads
 from .groups import ExpertParallelGroup
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -93,21 +96,47 @@ def defers_expert_grads(model: nn.Module) -> bool:
     )
 
 
-def _all_reduce_mean(grads: list[torch.Tensor], group, divisor: int) -> None:
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients in groups of at most ``bucket_bytes`` (a larger one alone)."""
+    buckets, size = [[]], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group, divisor: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum ``grads`` over ``group`` (``False``: nothing to sum with) and divide by ``divisor``, in place.
+
+    One bucket's copy lives at a time (freed after the copy back); a gradient alone in its bucket is
+    reduced in place, and without a group nothing is copied at all."""
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not False:
+    if group is False:
+        torch._foreach_div_(grads, divisor)
+        return
+    for bucket in _buckets(grads, bucket_bytes):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.all_reduce(bucket[0], group=group)
+            bucket[0].div_(divisor)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
-    flat /= divisor
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+        flat /= divisor
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        del flat
 
 
-def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
-    """Make every gradient equal to the unmodified model's on the concatenated batch (see module doc)."""
+def sync_gradients(model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Make every gradient equal to the unmodified model's on the concatenated batch (see module doc),
+    reducing in buckets of ``bucket_bytes`` (the plan's ``runtime.grad_bucket_mb``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
@@ -118,12 +147,14 @@ def sync_gradients(model: nn.Module, ep: ExpertParallelGroup) -> None:
         if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
             p.grad = torch.zeros_like(p)
     for dtype in sorted({p.grad.dtype for p in replicated}, key=str):
-        _all_reduce_mean([p.grad for p in replicated if p.grad.dtype == dtype], None, world)
-    reduce_tensor_parallel_grads([p for p in params if id(p) not in experts and isinstance(p, DTensor)], ep)
-    reduce_rank_local_grads([p for p in params if id(p) in experts], ep)
+        _all_reduce_mean([p.grad for p in replicated if p.grad.dtype == dtype], None, world, bucket_bytes)
+    reduce_tensor_parallel_grads([p for p in params if id(p) not in experts and isinstance(p, DTensor)], ep,
+                                 bucket_bytes)
+    reduce_rank_local_grads([p for p in params if id(p) in experts], ep, bucket_bytes)
 
 
-def reduce_tensor_parallel_grads(params: list[nn.Parameter], ep: ExpertParallelGroup) -> None:
+def reduce_tensor_parallel_grads(params: list[nn.Parameter], ep: ExpertParallelGroup,
+                                 bucket_bytes: int = BUCKET_BYTES) -> None:
     """The TP-split parameters (DTensors over the TP group): a partial gradient (a norm fed this rank's
     sequence chunk or heads) is first summed over the group, then each rank's shard is averaged over the
     ranks holding the same shard (the data-parallel dimension of the dense mesh). A whole parameter
@@ -141,10 +172,11 @@ def reduce_tensor_parallel_grads(params: list[nn.Parameter], ep: ExpertParallelG
         group = ep.tp_mesh["dp"].get_group() if dp > 1 else False
         locals_ = [p.grad.to_local() for p in params]
         for dtype in sorted({g.dtype for g in locals_}, key=str):
-            _all_reduce_mean([g for g in locals_ if g.dtype == dtype], group, dp)
+            _all_reduce_mean([g for g in locals_ if g.dtype == dtype], group, dp, bucket_bytes)
 
 
-def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup) -> None:
+def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup,
+                            bucket_bytes: int = BUCKET_BYTES) -> None:
     """The rank-local half of the contract (module doc): summed over the expert replicas, divided by
     the world size, and made :class:`~.gradnorm.ExpertGrad` (global norms in ``clip_grad_norm_``).
     Every rank of the world calls it with the same parameters (one missing its gradient gets zeros)."""
@@ -153,11 +185,8 @@ def reduce_rank_local_grads(params: list[nn.Parameter], ep: ExpertParallelGroup)
             p.grad = torch.zeros_like(p)
     replica = ep.replica_group if ep.replica_size > 1 else False
     for dtype in sorted({p.grad.dtype for p in params}, key=str):  # the ranks of a TP group share a batch
-        _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, ep.dp_size)
+        _all_reduce_mean([p.grad for p in params if p.grad.dtype == dtype], replica, ep.dp_size, bucket_bytes)
     mark_expert_grads(params, ep.group)
-
-
-BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
 
 
 @dataclass
@@ -245,8 +274,8 @@ class GradientSync:
         for p in bucket.params:
             if p.grad is None:  # unused on this rank: still take part, so every rank reduces the same set
                 p.grad = torch.zeros_like(p)
-        bucket.buffer = torch.cat([p.grad.reshape(-1) for p in bucket.params])
-        if bucket.group is not False:
+        if bucket.group is not False:  # with nothing to reduce with, wait() only scales the gradients
+            bucket.buffer = torch.cat([p.grad.reshape(-1) for p in bucket.params])
             bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         self._next += 1
 
@@ -260,6 +289,10 @@ class GradientSync:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
         for bucket in self.buckets:
+            if bucket.buffer is None:
+                torch._foreach_div_([p.grad for p in bucket.params], self.world)
+                bucket.ready.clear()
+                continue
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.buffer /= self.world
