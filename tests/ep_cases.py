@@ -34,6 +34,7 @@ from hp_rewrite.runtime import (
     sigmoid_group,
     softmax_topk,
 )
+from hp_rewrite.runtime import experts as experts_module
 from hp_rewrite.runtime.groups import backend_name, world_timeout
 
 H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
@@ -372,8 +373,9 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
 
     weight_grads = ep_blk.experts.hp_expert_parallel.runtime.weight_grads
     jobs_before = weight_grads.jobs_run
-    out = run_ep()
-    (out * g[sl]).sum().backward()
+    with _GroupedCalls(case.get("watch_grouped", False)) as grouped_calls:
+        out = run_ep()
+        (out * g[sl]).sum().backward()
     deferred_jobs = weight_grads.jobs_run - jobs_before  # runtime.defer_expert_grads: weight-gradient GEMMs
 
     errors = {"output": _rel(out, ref_out[sl]), "grad/input": _rel(x_ep.grad, x_ref.grad[sl])}
@@ -396,6 +398,9 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         errors[f"grad/{name}"] = _rel(grad, ref_grad)
 
     result = {"errors": errors}
+    if case.get("watch_grouped"):  # grouped_mm never gets a group without rows (nor no rows at all)
+        result["grouped_calls"], result["padded"] = grouped_calls.calls, grouped_calls.padded
+        result["grouped_ok"] = all(rows > 0 and smallest > 0 for rows, smallest in grouped_calls.calls)
     if opts.defer_expert_grads and ep.size > 1:  # the deferred path ran, and nothing is left queued
         got_rows = ep_blk.experts.hp_last_stats.rows_received > 0
         result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(weight_grads) == 0
@@ -426,6 +431,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
             and result.get("bitwise_sync_equal", True)
             and result.get("stats_ok", True)
             and result.get("deferred_ok", True)
+            and result.get("grouped_ok", True)
         ),
     )
     return result
@@ -498,6 +504,36 @@ def wire_facts(family: str, ep, dedup: bool, chunks: int = 1) -> dict:
     with _Wire() as backward:
         out.float().pow(2).sum().backward()
     return {"forward": forward.calls, "backward": backward.calls, "unordered_sums": unordered}
+
+
+class _GroupedCalls:
+    """While active (and ``watch``), records each grouped_mm call's rows and smallest group, and how many
+    batches the runtime padded (:func:`hp_rewrite.runtime.batch.pad_empty_groups`)."""
+
+    def __init__(self, watch: bool) -> None:
+        self.watch, self.calls, self.padded = watch, [], 0
+
+    def __enter__(self) -> _GroupedCalls:
+        if not self.watch:
+            return self
+        self._mm, self._pad = F.grouped_mm, experts_module.pad_empty_groups
+
+        def mm(x, w, *args, offs=None, **kwargs):
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1)) if offs is not None else x.new_full((1,), x.shape[0])
+            self.calls.append((x.shape[0], int(sizes.min())))
+            return self._mm(x, w, *args, offs=offs, **kwargs)
+
+        def pad(batch):
+            padded = self._pad(batch)
+            self.padded += padded is not None
+            return padded
+
+        F.grouped_mm, experts_module.pad_empty_groups = mm, pad
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.watch:
+            F.grouped_mm, experts_module.pad_empty_groups = self._mm, self._pad
 
 
 def run_all(rank: int, world: int, cases: list[dict]) -> dict:

@@ -152,6 +152,11 @@ def _cases(world: int) -> list[dict]:
             if c["name"] in NO_DEDUP_CASES
         ]
     if world == 4:
+        cases += [  # single-token decode at EP=4: ranks receiving nothing, local experts with no row
+            {"name": f"decode-1-token-{f}{'-bf16' if d else ''}", "family": f, "tokens": [1, 1, 1, 1],
+             "watch_grouped": True, **({"dtype": "bf16"} if d else {})}
+            for f in ("qwen3", "deepseek_v3") for d in (False, True)
+        ]
         cases += [  # EP=2 x 2 replicas: expert gradients summed over the replica group
             {"name": "ep2-of-4-qwen2", "family": "qwen2", "ep": 2},
             {"name": "ep2-of-4-qwen3-skewed", "family": "qwen3", "ep": 2, "routing": "skewed"},
@@ -213,3 +218,14 @@ def test_bf16_layer_sends_hidden_dtype_rows_once_each_way(case: str) -> None:
         assert dtypes == ["int64"] + ["bfloat16"] * 2 * chunks, (rank, r["forward"])
         assert [d for d, _ in r["backward"]] == ["bfloat16"] * 2 * chunks, (rank, r["backward"])
         assert r["unordered_sums"] == [], (rank, r["unordered_sums"])
+
+
+def test_decode_pads_empty_expert_groups_and_never_calls_grouped_mm_empty() -> None:
+    """Single-token decode at EP=4: some rank's local experts get no row (and some ranks none at all);
+    those cases ran through the parity check above; here: the runtime padded them, and no grouped_mm
+    call saw an empty group."""
+    results = _world(4)
+    for name in [c["name"] for c in _cases(4) if c.get("watch_grouped")]:
+        ranks = [r[name] for r in results]
+        assert all(r["grouped_ok"] for r in ranks), [r["grouped_calls"] for r in ranks]
+        assert sum(r["padded"] for r in ranks) > 0, name

@@ -110,3 +110,45 @@ def test_deferred_expert_gradients_are_refused_for_expert_modules() -> None:
     with pytest.raises(ExpertParallelError, match="defer_expert_grads: ModuleList keeps its experts as modules"):
         install_expert_parallel(block.experts, num_experts=E, ep=ExpertParallelGroup.single(),
                                 options=RuntimeOptions(defer_expert_grads=True))
+
+
+@pytest.mark.parametrize("expert_cls", [GeluGated, UpFirstTanh, PlainRelu])
+def test_expert_modules_run_grouped_without_a_stacked_copy_kept(expert_cls) -> None:
+    """The held experts' weights reach grouped_mm without a differentiable stack: no ``[E, ., .]``
+    tensor is saved for the backward (grouped_mm's own node would save the stacked weights), and the
+    output and every gradient are the unmodified block's."""
+    import copy
+
+    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, moe_forward
+
+    torch.manual_seed(0)
+    ref = Block(expert_cls)
+    blk = copy.deepcopy(ref)
+    opts = RuntimeOptions()
+    install_expert_parallel(blk.experts, num_experts=E, ep=ExpertParallelGroup.single(), options=opts)
+    x = torch.randn(10, H)
+    x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref_out = ref(x_ref)
+    w, idx = torch.topk(torch.softmax(blk.gate(x_ep), -1, dtype=torch.float), 2, dim=-1)
+    out = moe_forward(x_ep, idx, w / w.sum(-1, keepdim=True), blk.experts, num_experts=E,
+                      ep=ExpertParallelGroup.single(), options=opts)
+    nodes, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in nodes:
+            nodes.add(fn)
+            todo.extend(f for f, _ in fn.next_functions)
+    saved = []
+    for n in nodes:
+        saved += [getattr(n, a) for a in dir(n) if a.startswith("_saved_")]
+        saved += list(getattr(n, "saved_tensors", ()) or ())
+    stacked = [t.shape for t in saved if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == E]
+    assert not stacked and any(type(n).__name__ == "_StackedGroupedMMBackward" for n in nodes), stacked
+    g = torch.randn(out.shape)
+    (ref_out * g).sum().backward()
+    (out * g).sum().backward()
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_ep.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for name, p in blk.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-5, msg=name)

@@ -1,6 +1,9 @@
 """The expert-compute backends and the one rule that picks one (``runtime.compute``).
 
-``grouped``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``), forward and backward grouped.
+``grouped``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``), forward and backward grouped;
+``auto`` takes it on CPU and on CUDA from sm90 (below, torch's fallback syncs the host at every call:
+``auto`` takes the per-expert loop there). Under autocast the problem's dtype is autocast's: the
+runtime casts the operands as autocast casts a matmul's.
 ``eager``: a per-expert loop of matmuls (every device and dtype; the loop is the point).
 ``batched``: one batched matmul over a weight gathered per row, as transformers' ``batched_mm`` (every
 device and dtype; no host value; memory grows with rows x weight size).
@@ -62,6 +65,20 @@ def _grouped_problem(p: KernelProblem) -> str | None:
             return f"torch grouped_mm on cuda takes bf16 only, not {p.dtype}"
         return None if torch.cuda.get_device_capability() >= (8, 0) else "torch grouped_mm needs sm80+"
     return f"torch grouped_mm does not run on {p.device_type}"
+
+
+def _grouped_syncs(p: KernelProblem) -> str | None:
+    """Why grouped_mm runs here but stalls the host (``auto`` then takes the per-expert loop), or None.
+
+    Below sm90 torch's grouped_mm has no grouped kernel: its fallback copies the offsets to the host
+    (a stream synchronisation per call, six per layer with the backward) and loops over the groups. The
+    per-expert loop does the same GEMMs from split sizes the host already holds (ep > 1: the layer's one
+    read), with no further sync."""
+    if p.device_type == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        major, minor = torch.cuda.get_device_capability()
+        return (f"sm{major}{minor}: torch grouped_mm has a grouped kernel from sm90 only; below, it copies its "
+                "offsets to the host at every call (a stream sync) and loops")
+    return None
 
 
 def _npu_unusable(p: KernelProblem) -> str | None:
@@ -139,7 +156,9 @@ def choose(requested: str, problem: KernelProblem) -> KernelChoice:
                                                                             else ""))
     if requested == "grouped":
         if grouped_problem is None:
-            return KernelChoice(requested, "grouped", f"requested; grouped_mm runs {where}")
+            syncs = _grouped_syncs(problem)
+            return KernelChoice(requested, "grouped", f"requested; grouped_mm runs {where}"
+                                + (f" ({syncs})" if syncs else ""))
         if problem.device_type == "npu" and _npu_problem(problem) is None:
             return KernelChoice(requested, "npu", f"requested grouped; on npu that is npu_grouped_matmul ({where})")
         return KernelChoice(requested, None, f"compute=grouped: {grouped_problem}; use compute auto or eager")
@@ -149,5 +168,8 @@ def choose(requested: str, problem: KernelProblem) -> KernelChoice:
             return KernelChoice(requested, "npu", f"auto: npu device ({where})")
         return KernelChoice(requested, fallback, f"auto: npu unusable ({why})")
     if grouped_problem is None:
+        syncs = _grouped_syncs(problem)
+        if syncs:
+            return KernelChoice(requested, "eager", f"auto: per-expert loop, no host sync of its own ({syncs})")
         return KernelChoice(requested, "grouped", f"auto: grouped_mm runs {where}")
     return KernelChoice(requested, "eager", f"auto: {grouped_problem}")

@@ -86,7 +86,7 @@ class ReceivedPairs:
 
     pairs: torch.Tensor  # [P] flat row * K + k, expert-major (source rank, token, slot within an expert)
     rows: torch.Tensor  # [P] the row of each pair
-    table: torch.Tensor  # [R, min(K, local)] per row, its pairs by slot order (rows.copy_table)
+    table: torch.Tensor  # [R, K] per row, its pairs by slot order (rows.copy_table)
     weights: torch.Tensor  # [P] each pair's routing weight (differentiable)
 
 
@@ -99,7 +99,7 @@ def received_pairs(weights: torch.Tensor, ids: torch.Tensor, num_local: int, num
     key = torch.where(here, ids, num_local).reshape(-1)
     pairs = torch.sort(key, stable=True).indices[:num_pairs]
     row_of = torch.div(pairs, top_k, rounding_mode="floor")
-    width = min(top_k, num_local)
+    width = top_k  # not min(K, local experts): a router may name one expert twice (a dropped slot)
     place = (here.cumsum(1) - 1).reshape(-1).index_select(0, pairs)  # the pair's place among its row's
     table = rows.copy_table(row_of * width + place, num_rows, width)
     return ReceivedPairs(pairs, row_of, table, weights.reshape(-1).index_select(0, pairs))

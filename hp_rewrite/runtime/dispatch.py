@@ -45,11 +45,12 @@ from torch import nn
 
 from ..kernels import npu_permute
 from . import comm, tokens
+from .batch import LocalBatch
 from .capacity import apply_capacity, count_per_expert
 from .context import ExchangeRuntime
 from .deferred import WeightGradQueue
 from .exchange import ON_RANK, PER_SLOT, Chunk, TokenExchange, exchange_for
-from .experts import LocalBatch, holder_of, local_experts_forward
+from .experts import holder_of, local_experts_forward
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 from .zero_experts import split_zero_experts

@@ -22,8 +22,10 @@ from torch import nn
 from .. import kernels
 from ..kernels import KernelChoice, KernelProblem, npu, torch_grouped
 from . import expert_modules, grouped_op
-from .deferred import DeferredGroupedMM, WeightGradQueue, grouped_grad_sink, refuse_hooked
+from .batch import LocalBatch, pad_empty_groups
+from .deferred import DeferredGroupedMM, grouped_grad_sink, refuse_hooked
 from .errors import ExpertParallelError
+from .stacked import StackedParams, stacked_grouped_mm
 
 # Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).
 _SEPARATE_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -307,53 +309,6 @@ def holder_of(module: nn.Module) -> nn.Module | None:
     return None
 
 
-@dataclass
-class LocalBatch:
-    """Rows for this rank's experts, grouped by local expert.
-
-    offsets: cumulative rows per local expert on the device (int32), as grouped GEMMs want them.
-    known_counts: the same as host ints, where the split-size sync already brought them (ep > 1);
-        None at ep 1, where the grouped GEMMs need no host value (:attr:`counts` reads them on demand).
-    """
-
-    hidden: torch.Tensor
-    known_counts: list[int] | None
-    offsets: torch.Tensor
-    compute: str = "auto"
-    weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
-
-    @classmethod
-    def from_counts(
-        cls,
-        hidden: torch.Tensor,
-        counts: list[int],
-        compute: str = "auto",
-        weight_grads: WeightGradQueue | None = None,
-    ) -> LocalBatch:
-        offsets = (
-            torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=hidden.device, dtype=torch.int32)
-        )
-        return cls(hidden, list(counts), offsets, compute, weight_grads)
-
-    @property
-    def counts(self) -> list[int]:
-        """Rows per local expert as host ints: the per-expert loop and the NPU kernels take a list
-        (a host sync when they were not known already)."""
-        if self.known_counts is None:
-            self.known_counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
-        return self.known_counts
-
-    @property
-    def num_groups(self) -> int:
-        return self.offsets.shape[0]
-
-    def row_experts(self) -> torch.Tensor:
-        """Local expert id of every row (only needed for per-expert biases)."""
-        n = self.hidden.shape[0]
-        rows = torch.arange(n, device=self.hidden.device, dtype=torch.int32)
-        return torch.searchsorted(self.offsets, rows, right=True)
-
-
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) runs for this device/dtype."""
     return kernels.choose("grouped", _problem(x, weight.shape[0], tuple(weight.shape[1:]), weight.dtype)).backend \
@@ -403,6 +358,12 @@ def _project(
     name: str,
 ) -> torch.Tensor:
     """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
+    if isinstance(weight, StackedParams):  # experts held as modules
+        if kind == "grouped" and not torch.compiler.is_compiling() and not torch_grouped.needs_alignment(
+                x, weight.params[0] if transposed else weight.params[0].t()):
+            out = stacked_grouped_mm(x, weight, batch.offsets, transposed)  # no stacked copy kept for backward
+            return out if bias is None else out + bias.index_select(0, row_experts)
+        weight = weight.stacked()
     w_in_out = weight if transposed else weight.transpose(1, 2)
     deferred = _deferred(batch, weight)
     if kind == "npu":
@@ -452,7 +413,8 @@ def kernel_choice(requested: str, module: nn.Module, device_type: str, dtype: to
     if problem is not None:
         return KernelChoice(requested, None, f"{type(module).__name__}: {problem}")
     layout = layout or ExpertsLayout.of(module)
-    weights = [weights[n] if weights else layout.weight(module, n) for n in (layout.gate, layout.up, layout.down) if n]
+    weights = [weights[n] if weights else _weight_of(module, layout, n) for n in (layout.gate, layout.up, layout.down)
+               if n]
     dims = tuple(sorted({d for w in weights for d in w.shape[1:]}))
     problem = KernelProblem(device_type, dtype, weights[0].shape[0], dims, weight_dtype or weights[0].dtype)
     choice = kernels.choose(compute, problem)
@@ -498,14 +460,27 @@ def local_experts_forward(
     if layout.modules and module.training:
         expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
-    weights = {n: layout.weight(module, n) for n in layout.roles}  # experts held as modules: stacked once
-    up = weights[layout.up]
-    if layout.zero_experts:  # the zero experts' rows after the local ones are never computed
-        up = up[: batch.num_groups]
-    choice = kernel_choice(batch.compute, module, x.device.type, x.dtype, layout, weights=weights)
+    weights = {n: _weight_of(module, layout, n) for n in layout.roles}
+    amp = _autocast_dtype(x)
+    choice = kernel_choice(batch.compute, module, x.device.type, amp or x.dtype, layout, weights=weights,
+                           weight_dtype=amp)
     if choice.backend is None:
         raise ExpertParallelError(choice.reason)
     kind = choice.backend
+    if kind == "grouped" and x.shape[0] == 0:  # no rows: empty matmuls keep the graph (and the exchange's
+        kind = "eager"  # backward) connected; grouped_mm is never called with no work
+    elif kind == "grouped":
+        padded = pad_empty_groups(batch)  # an empty group among others: one zero row each (see .batch)
+        if padded is not None:
+            return local_experts_forward(module, padded[0], layout).index_select(0, padded[1])
+    if amp is not None and kind in ("grouped", "npu"):  # their ops are not on autocast's list: cast as for a matmul
+        x = x.to(amp)
+        weights = {n: w.to(amp) for n, w in weights.items()}
+    if kind != "grouped":  # only grouped_mm reads experts held as modules without stacking them
+        weights = {n: w.stacked() if isinstance(w, StackedParams) else w for n, w in weights.items()}
+    up = weights[layout.up]
+    if layout.zero_experts:  # the zero experts' rows after the local ones are never computed
+        up = up[: batch.num_groups]
     has_bias = layout.up_bias or layout.down_bias or layout.gate_bias
     owner = type(module).__name__  # names a weight in errors
     if kind == "npu" and layout.kind == "fused" and not has_bias:  # the whole MLP as one autograd function
@@ -544,6 +519,23 @@ def local_experts_forward(
     if layout.post_norm:
         y = module.post_expert_norm(y)
     return y
+
+
+def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str):
+    """Weight ``name`` as ``[E, ., .]``; for experts held as modules their GEMM weights unstacked
+    (:class:`~.stacked.StackedParams`), their biases (small) stacked."""
+    if layout.modules and name in (layout.gate, layout.up, layout.down):
+        return StackedParams([layout.param(module, f"{k}.{name}") for k in layout.held])
+    return layout.weight(module, name)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a matmul of ``x`` in, or None outside autocast (or for rows it
+    would not cast)."""
+    device = x.device.type
+    if not x.is_floating_point() or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def _default_gate(act, gate_up: torch.Tensor) -> torch.Tensor:
