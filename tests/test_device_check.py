@@ -1,5 +1,5 @@
 """tools/device_check.py runs on CPU at its small size (CI has no accelerator): parity passes, the
-benchmark rows and the JSON are written."""
+benchmark rows and the JSON are written, and its EP=2 section runs as two processes."""
 
 from __future__ import annotations
 
@@ -22,3 +22,10 @@ def test_device_check_on_cpu(tmp_path: Path) -> None:
         assert all(c["kernels"][0]["backend"] == "grouped" for c in report["parity"])
     assert set(report["bench"]) == {"hp", "hf-grouped", "dense"}
     assert all(r["median_s"] > 0 for r in report["bench"].values())
+    assert report["kernels"], report["kernels"]  # what ran, by name (on CPU: the aten ops)
+    ep2 = report["ep2_one_device"]
+    assert set(ep2) == {"rank0", "rank1"}
+    for cases in ep2.values():
+        assert set(cases) == {"qwen3_moe", "deepseek_v3", "decode-1-token"}
+        assert all(c["passed"] and c["bitwise_repeatable"] for c in cases.values()), cases
+

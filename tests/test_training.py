@@ -30,7 +30,7 @@ def test_one_adamw_step_equals_unmodified(world, ep_size, model_type, aux, balan
     for rank, r in enumerate(run_world(world, "tests.training_cases:training_step", payload)):
         # sync_gradients holds one bucket's copy at a time (experts without replicas: none at all)
         assert r["expert_grad_bytes"] > 4 * r["bucket_bytes"] and r["dense_grad_bytes"] > 4 * r["bucket_bytes"], r
-        assert 0 < r["sync_peak"] <= r["bucket_bytes"], r
+        assert 0 < r["sync_peak"] <= r["bucket_bytes"] and r["clip_peak"] <= r["bucket_bytes"], r
         assert r["grad_worst"] <= TOL, f"rank {rank}: gradient of {r['grad_worst_name']} off by {r['grad_worst']:.2e}"
         assert r["worst"] <= TOL, f"rank {rank}: {r['worst_name']} differs by {r['worst']:.2e} after one step"
         assert all(n * ep_size == r["local_experts"][0] * ep_size for n in r["local_experts"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+import hp_rewrite
 from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
@@ -72,8 +73,10 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
                              / max(abs(same_batch.aux_loss.item()), 1e-12))
     with LiveTemporaries() as temporaries:  # the reduction's own copies (plan: runtime.grad_bucket_mb)
         sync_gradients(model)
+    with LiveTemporaries() as clip_temporaries:  # per-parameter norms only; a max_norm that scales by 1
+        hp_rewrite.clip_grad_norm_(model.parameters(), 1e30)
     expert_ids = {id(p) for p in rank_local_parameters(model)}
-    result.update(sync_peak=temporaries.peak, bucket_bytes=int(plan.runtime.grad_bucket_mb * 2**20),
+    result.update(sync_peak=temporaries.peak, clip_peak=clip_temporaries.peak, bucket_bytes=int(plan.runtime.grad_bucket_mb * 2**20),
                   expert_grad_bytes=sum(p.grad.nbytes for p in model.parameters() if id(p) in expert_ids),
                   dense_grad_bytes=sum(p.grad.nbytes for p in model.parameters()
                                        if id(p) not in expert_ids and p.grad is not None))

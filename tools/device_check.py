@@ -9,7 +9,14 @@
       ``hp``          hp_rewrite.runtime.moe_forward (EP=1, ``compute: auto``: grouped_mm / npu ops)
       ``hf-grouped``  transformers' Qwen3MoeExperts with ``_experts_implementation = "grouped_mm"``
       ``dense``       the ceiling: ``x[T*K, H] @ W1[H, 2I] -> SwiGLU -> @ W2[I, H]``, no routing
-    Timed with a device synchronisation around each iteration; the median is reported.
+    Timed with a device synchronisation around each iteration; the median is reported, with tokens/s
+    and, on CUDA, the peak ``max_memory_allocated`` of one forward + backward; the kernels that ran
+    (profiler: the grouped CUTLASS kernel, or torch's fallback) are listed.
+(c) EP=2 as two processes on the one device (gloo over device tensors; :mod:`tools.device_ep`): bf16
+    parity and bitwise repeatability of qwen3_moe and deepseek_v3, host syncs per MoE layer
+    (``set_sync_debug_mode``), single-token decode (empty expert groups, a rank receiving nothing), and
+    on an accelerator one Qwen3-30B-A3B-shaped layer's local experts at EP=2 against transformers'
+    grouped_mm.
 
 Prints a table and writes JSON (``--out``, default ``bench-results/device_check.json``)::
 
@@ -148,9 +155,49 @@ def bench(size: dict, device: str, dtype: torch.dtype, iters: int, warmup: int) 
     T, H, inter, K = (size[k] for k in ("tokens", "hidden", "intermediate", "top_k"))
     flops = 3 * (2 * T * K * H * 2 * inter + 2 * T * K * inter * H)  # fwd + bwd (2x fwd), matmuls only
     med = {n: statistics.median(ts) for n, ts in times.items()}
-    return {n: {"median_s": t, "times_s": times[n], "tflop_per_s": flops / t / 1e12,
-                "speed_vs_hf_grouped": med["hf-grouped"] / t, "fraction_of_dense": med["dense"] / t}
-            for n, t in med.items()} | {"flops_step": flops}
+    peaks = {n: peak_bytes(step, device) for n, step in steps.items()}
+    return {n: {"median_s": t, "times_s": times[n], "tflop_per_s": flops / t / 1e12, "tokens_per_s": T / t,
+                "peak_bytes": peaks[n], "speed_vs_hf_grouped": med["hf-grouped"] / t,
+                "fraction_of_dense": med["dense"] / t}
+            for n, t in med.items()} | {"flops_step": flops, "kernels": kernels_run(steps["hp"], device)}
+
+
+def peak_bytes(step: Callable[[], None], device: str) -> int | None:
+    """Peak device memory of one call above what was allocated before it (CUDA only)."""
+    if device != "cuda":
+        return None
+    sync(device)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    sync(device)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def kernels_run(step: Callable[[], None], device: str) -> dict[str, int]:
+    """GEMM kernels (device) or ops (CPU) one call ran, by name: which grouped GEMM ran, or its fallback."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        step()
+        sync(device)
+    names: dict[str, int] = {}
+    for e in prof.events():
+        if any(k in e.name.lower() for k in ("grouped", "gemm", "cutlass", "_mm", "matmul")):
+            names[e.name[:120]] = names.get(e.name[:120], 0) + 1
+    return dict(sorted(names.items(), key=lambda kv: -kv[1])[:12])
+
+
+def ep2_on_one_device(device: str, dtype: torch.dtype, size_name: str, iters: int) -> dict:
+    """Section (c): two ranks on this device (see tools/device_ep.py)."""
+    from hp_rewrite.launch import run_world
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workers import tools.device_ep
+    speed = {**SIZES["realistic"], "tokens": 4096} if size_name == "realistic" else None
+    payload = {"device": device, "dtype": str(dtype).replace("torch.", ""), "speed": speed is not None,
+               "size": speed, "iters": iters}
+    return {f"rank{r}": out for r, out in enumerate(run_world(2, "tools.device_ep:worker", payload, timeout=420))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +242,7 @@ def _run(a: argparse.Namespace, device: str) -> int:
     console.print(table)
 
     results = bench(size, device, dtype, iters, a.warmup)
-    flops = results.pop("flops_step")
+    flops, kernels = results.pop("flops_step"), results.pop("kernels")
     dt = str(dtype).replace("torch.", "")
     table = Table(title=f"(b) local experts fwd+bwd, T={size['tokens']} H={size['hidden']} I={size['intermediate']} "
                         f"E={size['experts']} K={size['top_k']} {dt} on {name}, median of {iters}")
@@ -205,12 +252,28 @@ def _run(a: argparse.Namespace, device: str) -> int:
         table.add_row(n, f"{r['median_s'] * 1e3:.2f}", f"{r['tflop_per_s'] * 1e3:,.1f}", f"{r['speed_vs_hf_grouped']:.2f}x",
                       f"{r['fraction_of_dense']:.0%}")
     console.print(table)
+    console.print(f"kernels of one hp step: {kernels}")
+
+    ep2 = ep2_on_one_device(device, torch.bfloat16, size_name, max(3, iters // 2))
+    table = Table(title=f"(c) EP=2 as two processes on one {name}, bf16")
+    for col in ("rank", "case", "worst rel", "passed", "bitwise repeatable", "syncs / MoE layer fwd", "bwd syncs"):
+        table.add_column(col)
+    for rank, cases in ep2.items():
+        for case, c in cases.items():
+            if case != "layer_speed":
+                table.add_row(rank, case, f"{c['worst_rel']:.1e}", str(c["passed"]), str(c["bitwise_repeatable"]),
+                              str(c.get("forward_syncs_per_moe_layer")), str(c.get("backward_syncs")))
+    console.print(table)
+    if "layer_speed" in ep2["rank0"]:
+        console.print(f"EP=2 layer local experts vs transformers grouped_mm: {ep2['rank0']['layer_speed']}")
+    ep2_passed = all(c["passed"] for cases in ep2.values() for n, c in cases.items() if n != "layer_speed")
 
     report = {"command": " ".join(["python", "tools/device_check.py", *a.argv]),
               "device": device, "device_name": name, "size": size_name, "sizes": size, "dtype": dt,
               "iters": iters, "torch": torch.__version__, "transformers": transformers.__version__,
               "load_average_1_5_15min": os.getloadavg(), "parity": checks, "flops_step": flops,
-              "bench": results, "passed": all(c["passed"] for c in checks)}
+              "bench": results, "kernels": kernels, "ep2_one_device": ep2,
+              "passed": all(c["passed"] for c in checks) and ep2_passed}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {a.out}")
