@@ -523,8 +523,8 @@ class _GroupedCalls:
             self.calls.append((x.shape[0], int(sizes.min())))
             return self._mm(x, w, *args, offs=offs, **kwargs)
 
-        def pad(batch):
-            padded = self._pad(batch)
+        def pad(batch, always=False):
+            padded = self._pad(batch, always)
             self.padded += padded is not None
             return padded
 

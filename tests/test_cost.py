@@ -104,15 +104,15 @@ def test_dedup_layer_by_hand() -> None:
     assert c.forward.routed == 24 * 144 and c.forward.combine == 2 * 24 * 8  # weighted adds on the owner
     # P(token hits rank 0) = 1 - C(1,2)/C(4,2) = 1; rank 1: 1 - C(3,2)/C(4,2) = 1/2
     assert cost_per_rank.hit_probability(0.75, 4, 2) == 1.0 and cost_per_rank.hit_probability(0.25, 4, 2) == 0.5
-    ex = c.exchange  # rows of 8 x 2 bytes + 2 * k float32 side columns
+    ex = c.exchange  # rows of 8 x 2 bytes + k * (4 + 2) side columns of 2 bytes (a weight's and an id's bytes)
     assert ex.estimated and (ex.rows_sent, ex.rows_received) == (8 * 1.5, 2 * 8 * 1.0)
-    assert (ex.bytes_sent, ex.bytes_received) == (12 * 32, 16 * 32)
+    assert (ex.bytes_sent, ex.bytes_received) == (12 * 40, 16 * 40)
     assert (ex.combine_bytes_sent, ex.combine_bytes_received) == (16 * 16, 12 * 16)
-    assert (ex.remote_bytes_sent, ex.remote_bytes_received) == (4 * 32, 8 * 32)
-    assert ex.step_bytes == 2 * (12 * 32 + 16 * 16) and ex.count_bytes == 8 * (4 + 2)
-    # the time model: the combine moves the same remote rows without the side columns (16 of 32 bytes)
+    assert (ex.remote_bytes_sent, ex.remote_bytes_received) == (4 * 40, 8 * 40)
+    assert ex.step_bytes == 2 * (12 * 40 + 16 * 16) and ex.count_bytes == 8 * (4 + 2)
+    # the time model: the combine moves the same remote rows without the side columns (16 of 40 bytes)
     hw = _hw(1e12, alpha_s=1e-6, beta_Bps=1e9)
-    dispatch, combine = exchange_time(8 * 32, 2, hw), exchange_time(8 * 16, 2, hw)
+    dispatch, combine = exchange_time(8 * 40, 2, hw), exchange_time(8 * 16, 2, hw)
     t = layer_time(c, hw, ep=2, overlap=False)
     assert t.comm == pytest.approx(exchange_time(ex.count_bytes, 2, hw) + 2 * (dispatch + combine))
     f = c.forward
@@ -309,7 +309,7 @@ def test_ep2_flops_and_bytes_match_each_gloo_rank(model_type, compute, specs, ep
 def test_ep2_dedup_moves_fewer_rows_and_the_same_expert_flops(model_type, specs, ep2_world) -> None:
     """The dedup exchange on each gloo rank: the same expert FLOPs as the cost model (its weighted adds are
     elementwise, which FlopCounterMode does not count), fewer rows than the plain exchange, and bytes
-    that follow from the rows (hidden row + 2k float32 side columns)."""
+    that follow from the rows (hidden row + k * (4 + 2) side columns, one per byte of a weight and an id)."""
     spec = specs[model_type]
     for rank, results in enumerate(ep2_world):
         for lay, m, plain in zip(spec.layers, results[f"{model_type}/dedup"], results[f"{model_type}/grouped"],
@@ -319,7 +319,7 @@ def test_ep2_dedup_moves_fewer_rows_and_the_same_expert_flops(model_type, specs,
             matmul = pred.step_flops - pred.forward.combine - pred.backward.combine
             assert _rel(matmul, m["flops"]) <= REL, (rank, lay.path, matmul, m["flops"])
             assert m["rows_sent"] < plain["rows_sent"] and m["rows_received"] <= plain["rows_received"]
-            row = lay.hidden * 4 + 2 * lay.top_k * 4
+            row = lay.hidden * 4 + lay.top_k * (4 + 2) * 4
             assert (m["bytes_sent"], m["bytes_received"]) == (m["rows_sent"] * row, m["rows_received"] * row)
 
 

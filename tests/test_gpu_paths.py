@@ -19,9 +19,9 @@ from tests.ep_cases import BF16_TOL, E, H, _rel, build_block, ep_forward, refere
 
 
 @pytest.mark.parametrize(("capability", "auto", "note"), [((8, 0), "eager", "sm80"), ((9, 0), "grouped", None),
-                                                          ((10, 0), "grouped", None)])
+                                                          ((10, 0), "grouped", None), ((12, 0), "eager", "sm120")])
 def test_auto_takes_grouped_mm_where_it_has_a_grouped_kernel(monkeypatch, capability, auto, note) -> None:
-    """Below sm90 torch's grouped_mm syncs the host at every call: auto takes the per-expert loop there,
+    """Outside sm90 / sm100 torch's grouped_mm syncs the host at every call: auto takes the per-expert loop there,
     whose split sizes the host already holds; an explicit request still gets grouped_mm, told why."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     problem = KernelProblem("cuda", torch.bfloat16, 16, (2048, 768), torch.bfloat16)
@@ -88,7 +88,8 @@ def test_fixed_order_sums_equal_index_add() -> None:
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
 def test_packed_side_values_travel_bit_for_bit(hidden_dtype, weights_dtype) -> None:
     """Weights, ids and the weights' gradient come back out of the hidden-dtype rows bit for bit (odd K,
-    NaN payloads included: the bytes are moved, never computed with)."""
+    a NaN weight included), through a float round trip of the packed rows (what a compiled copy may do),
+    and the packed rows hold no NaN of their own (anomaly mode checks every backward output)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 8, generator=gen).to(hidden_dtype).requires_grad_()
     w = torch.randn(6, 3, generator=gen).to(weights_dtype)
@@ -96,11 +97,49 @@ def test_packed_side_values_travel_bit_for_bit(hidden_dtype, weights_dtype) -> N
     w.requires_grad_()
     ids = torch.randint(-1, 300, (6, 3), generator=gen)
     packed = pack_rows(x, w, ids)
-    assert packed.dtype == hidden_dtype
-    x2, w2, ids2 = unpack_rows(packed.clone(), 8, weights_dtype, 3)
+    assert packed.dtype == hidden_dtype and not packed[:, 8:].isnan().any()
+    x2, w2, ids2 = unpack_rows(packed.float().to(hidden_dtype), 8, weights_dtype, 3)
+    one = unpack_rows(packed[2:3], 8, weights_dtype, 3)  # one row: a slice whose row stride is not the width
+    assert torch.equal(one[1].view(torch.uint8), w[2:3].detach().view(torch.uint8))
     assert torch.equal(x2, x.detach()) and torch.equal(ids2.long(), ids)
     assert torch.equal(w2.view(torch.uint8), w.detach().view(torch.uint8))
     gw = torch.randn(6, 3, generator=gen).to(weights_dtype)
     gx = torch.randn(6, 8, generator=gen).to(hidden_dtype)
-    (x2.float() * gx.float()).sum().add((w2.float().nan_to_num() * gw.float()).sum()).backward()
+    with torch.autograd.detect_anomaly():
+        (x2.float() * gx.float()).sum().add((w2.float().nan_to_num() * gw.float()).sum()).backward()
     assert torch.equal(x.grad, gx) and torch.equal(w.grad[1:], gw[1:])
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_padded_groups_give_the_same_rows_and_gradients(known: bool) -> None:
+    """Empty expert groups padded with zero rows (every group at ep 1 on CUDA, the empty ones where the
+    host has the counts): the real rows' outputs and every gradient as without padding."""
+    from hp_rewrite.runtime import (
+        ExpertParallelGroup,
+        LocalBatch,
+        install_expert_parallel,
+        local_experts_forward,
+    )
+    from hp_rewrite.runtime.batch import pad_empty_groups
+
+    blk = build_block("qwen3")
+    install_expert_parallel(blk.experts, num_experts=E, ep=ExpertParallelGroup.single(), options=RuntimeOptions())
+    counts = [3, 0, 2, 0, 0, 4, 1, 0]
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(0))
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    outs, grads = [], []
+    for pad in (False, True):
+        xi = x.clone().requires_grad_()
+        batch = LocalBatch(xi, counts if known else None, offsets)
+        if pad:
+            padded, positions = pad_empty_groups(batch, always=True)
+            assert padded.hidden.shape[0] == x.shape[0] + (counts.count(0) if known else len(counts))
+            out = local_experts_forward(blk.experts, padded).index_select(0, positions)
+        else:
+            out = local_experts_forward(blk.experts, batch)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+        grads.append([xi.grad] + [p.grad.clone() for p in blk.experts.parameters()])
+        blk.experts.zero_grad(set_to_none=True)
+    assert _rel(outs[1], outs[0]) <= 1e-6  # the zero rows change the dW GEMMs' summation order only
+    assert all(_rel(a, b) <= 1e-5 for a, b in zip(grads[1], grads[0], strict=True))

@@ -16,7 +16,9 @@ from .routing import Histograms, RankLoads, rank_loads
 from .spec import ModelSpec, MoELayerSpec
 
 COUNT_BYTES = 8  # the runtime exchanges int64 split sizes
-SIDE_BYTES = 4  # dedup: each row carries its routing weights (fp32 at most) and int32 local ids as extra columns
+# dedup: each row carries, per slot, one column (in the activations' dtype) per byte of its routing weight
+# (fp32 at most) and of its int16 local expert id (runtime/rows.py pack_rows)
+SIDE_COLUMNS_PER_SLOT = 4 + 2
 
 
 @dataclass(frozen=True)
@@ -350,12 +352,12 @@ def layer_cost(
         shared=formulas.shared_flops(group_tokens, lay.shared, lay.shared_gate, max(par.tp, par.t_exp)),
     )
     counts = COUNT_BYTES * knobs.chunks * (lay.num_experts + (ep if dedup else 0)) if ep > 1 else 0
-    if dedup:  # one row per (token, destination rank), carrying 2k float32 side columns
+    if dedup:  # one row per (token, destination rank), carrying its side columns
         kept_share = kept / (ep * tokens * k) if tokens and k else 0.0
         hits = [hit_probability(x / kept if kept else 1.0 / ep, lay.num_experts, k) * kept_share for x in loads.rows]
         sent, received = tokens * sum(hits), ep * tokens * hits[r]
         remote_sent = sent - tokens * hits[r]
-        dispatch_row = row_bytes + 2 * k * SIDE_BYTES
+        dispatch_row = row_bytes + k * SIDE_COLUMNS_PER_SLOT * prec.act
     else:  # one row per routed slot; every rank routes like the histogram: its share of the kept slots
         sent, received = kept / ep, rows
         remote_sent = sent * (1 - (rows / kept if kept else 1.0 / ep))

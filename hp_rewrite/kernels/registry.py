@@ -1,8 +1,8 @@
 """The expert-compute backends and the one rule that picks one (``runtime.compute``).
 
 ``grouped``: ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``), forward and backward grouped;
-``auto`` takes it on CPU and on CUDA from sm90 (below, torch's fallback syncs the host at every call:
-``auto`` takes the per-expert loop there). Under autocast the problem's dtype is autocast's: the
+``auto`` takes it on CPU and on CUDA sm90 / sm100 (elsewhere torch's fallback syncs the host at every
+call: ``auto`` takes the per-expert loop there). Under autocast the problem's dtype is autocast's: the
 runtime casts the operands as autocast casts a matmul's.
 ``eager``: a per-expert loop of matmuls (every device and dtype; the loop is the point).
 ``batched``: one batched matmul over a weight gathered per row, as transformers' ``batched_mm`` (every
@@ -70,14 +70,19 @@ def _grouped_problem(p: KernelProblem) -> str | None:
 def _grouped_syncs(p: KernelProblem) -> str | None:
     """Why grouped_mm runs here but stalls the host (``auto`` then takes the per-expert loop), or None.
 
-    Below sm90 torch's grouped_mm has no grouped kernel: its fallback copies the offsets to the host
+    Outside sm90 / sm100 (and on ROCm) torch's grouped_mm has no grouped kernel: its fallback copies the offsets to the host
     (a stream synchronisation per call, six per layer with the backward) and loops over the groups. The
     per-expert loop does the same GEMMs from split sizes the host already holds (ep > 1: the layer's one
     read), with no further sync."""
-    if p.device_type == "cuda" and torch.cuda.get_device_capability() < (9, 0):
-        major, minor = torch.cuda.get_device_capability()
-        return (f"sm{major}{minor}: torch grouped_mm has a grouped kernel from sm90 only; below, it copies its "
-                "offsets to the host at every call (a stream sync) and loops")
+    if p.device_type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if torch.version.hip is not None:
+        return (f"ROCm gfx (capability {major}.{minor}): torch grouped_mm has no grouped kernel there; it copies "
+                "its offsets to the host at every call (a stream sync) and loops")
+    if major not in (9, 10):
+        return (f"sm{major}{minor}: torch grouped_mm has a grouped kernel on sm90 and sm100 only; elsewhere it "
+                "copies its offsets to the host at every call (a stream sync) and loops")
     return None
 
 

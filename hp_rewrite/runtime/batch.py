@@ -4,9 +4,10 @@
 and, at ep > 1, the same counts as host ints (already read with the layer's split sizes).
 :func:`pad_empty_groups` gives every empty group one zero row before a grouped GEMM: torch's
 grouped_mm has hung in the bf16 backward of an empty group (pytorch#152668), which a rank meets
-whenever some local expert receives no token (small batches, decode, large EP). It is decided from
-the host counts, so it costs nothing when no group is empty; the padded rows' outputs are dropped
-and their gradients are exactly zero.
+whenever some local expert receives no token (small batches, decode, large EP). At ep > 1 it is
+decided from the host counts, so it costs nothing when no group is empty; at ep 1 on CUDA, where no
+count is on the host, every group gets one. The padded rows' outputs are dropped and their gradients
+are exactly zero.
 """
 
 from __future__ import annotations
@@ -65,17 +66,27 @@ class LocalBatch:
         return torch.searchsorted(self.offsets, rows, right=True)
 
 
-def pad_empty_groups(batch: LocalBatch) -> tuple[LocalBatch, torch.Tensor] | None:
+def pad_empty_groups(batch: LocalBatch, always: bool = False) -> tuple[LocalBatch, torch.Tensor] | None:
     """``(padded batch, positions of the real rows in it)`` when the host counts show an empty group
-    among non-empty ones, else None. Positions and offsets are computed on the device."""
+    among non-empty ones, else None. Without host counts (ep 1) and ``always``: one zero row after
+    every group, which needs no host value. Positions and offsets are computed on the device."""
     counts = batch.known_counts
-    if counts is None or 0 not in counts or not any(counts):
-        return None
     x, offsets = batch.hidden, batch.offsets
-    empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
-    shift = empty.cumsum(0, dtype=torch.int32)  # empty groups up to each group: the pad rows before it
+    if counts is None:
+        if not always:
+            return None
+        shift = torch.arange(1, offsets.shape[0] + 1, device=x.device, dtype=torch.int32)
+        pad_rows, padded_counts = offsets.shape[0], None
+    elif 0 not in counts or not any(counts):
+        return None
+    else:
+        empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+        shift = empty.cumsum(0, dtype=torch.int32)  # empty groups up to each group: the pad rows before it
+        pad_rows, padded_counts = counts.count(0), [max(c, 1) for c in counts]
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
-    positions = (rows + shift[torch.searchsorted(offsets, rows, right=True)]).long()
-    padded = x.new_zeros((x.shape[0] + counts.count(0), x.shape[1])).index_copy(0, positions, x)
-    return LocalBatch(padded, [max(c, 1) for c in counts], (offsets + shift).to(torch.int32), batch.compute,
+    group = torch.searchsorted(offsets, rows, right=True)
+    before = shift - 1 if counts is None else shift  # pad rows in front of each group's first row
+    positions = (rows + before[group]).long()
+    padded = x.new_zeros((x.shape[0] + pad_rows, x.shape[1])).index_copy(0, positions, x)
+    return LocalBatch(padded, padded_counts, (offsets + shift).to(torch.int32), batch.compute,
                       batch.weight_grads), positions

@@ -129,8 +129,9 @@ class _BackwardLink:
 
     Wait's backward (which autograd runs first) launches the reverse exchange asynchronously;
     Start's backward waits for it. Autograd nodes created between the two in the forward pass (the
-    shared expert, other chunks) run in between, so the backward overlaps the exchange as the forward
-    does. It holds no graph tensors (only the gradient in flight), so it makes no reference cycle.
+    other chunks' experts) run in between, so the backward overlaps the exchange as the forward does.
+    The shared expert is queued before the layer's host read, so before Start: its backward runs after
+    Start's, on its side stream on a GPU, where the wait holds back the stream, not the host. It holds no graph tensors (only the gradient in flight), so it makes no reference cycle.
     """
 
     def __init__(

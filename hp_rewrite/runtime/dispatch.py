@@ -284,7 +284,9 @@ def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor)
         out = module(*args)
     for a in args:  # read on the side stream: their memory is not reused before it is done
         a.record_stream(side)
-    out.record_stream(main)  # made on the side stream, used on the current one
+    for t in (out,) if isinstance(out, torch.Tensor) else out:  # made on the side stream, used on the current
+        if isinstance(t, torch.Tensor):
+            t.record_stream(main)
     state.beside.append(side)
     return out
 

@@ -269,8 +269,8 @@ class DedupExchange:
         return rows_per_dest, torch.cat([per_dest, rows_per_dest.unsqueeze(-1)], dim=-1)
 
     def side_bytes(self, top_k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> int:
-        # each row carries its weights and int32 ids as extra columns of the hidden dtype
-        return sum(rows_mod.side_columns(top_k, weights_dtype, hidden_dtype)) * hidden_dtype.itemsize
+        # each row carries the bytes of its weights and int16 ids, one column of the hidden dtype per byte
+        return sum(rows_mod.side_columns(top_k, weights_dtype)) * hidden_dtype.itemsize
 
     def recv_splits(self, cells: list[list[int]], num_local: int) -> list[int]:
         return [cell[num_local] for cell in cells]

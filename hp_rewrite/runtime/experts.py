@@ -470,12 +470,12 @@ def local_experts_forward(
     if kind == "grouped" and x.shape[0] == 0:  # no rows: empty matmuls keep the graph (and the exchange's
         kind = "eager"  # backward) connected; grouped_mm is never called with no work
     elif kind == "grouped":
-        padded = pad_empty_groups(batch)  # an empty group among others: one zero row each (see .batch)
+        padded = pad_empty_groups(batch, always=x.device.type == "cuda")  # empty groups: a zero row (.batch)
         if padded is not None:
             return local_experts_forward(module, padded[0], layout).index_select(0, padded[1])
     if amp is not None and kind in ("grouped", "npu"):  # their ops are not on autocast's list: cast as for a matmul
         x = x.to(amp)
-        weights = {n: w.to(amp) for n, w in weights.items()}
+        weights = {n: w if w.dtype == amp else w.to(amp) for n, w in weights.items()}
     if kind != "grouped":  # only grouped_mm reads experts held as modules without stacking them
         weights = {n: w.stacked() if isinstance(w, StackedParams) else w for n, w in weights.items()}
     up = weights[layout.up]

@@ -11,6 +11,7 @@ replicas of the same experts: that second dimension is data parallel for the exp
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -158,18 +159,40 @@ def world_timeout() -> timedelta | None:
     return None
 
 
-def _group_options(timeout: timedelta | None, dims: tuple[str, ...]) -> dict | None:
-    """Backend options giving every group of the mesh ``timeout``. The options go to whatever backend the
-    world uses (``gloo``, ``nccl``, ``cuda:nccl,cpu:gloo``, a plugin such as ``hccl``), which all take
-    their timeout from them; NCCL's must be its own options class."""
+def _options_like_world(timeout: timedelta):
+    """Backend options for a new group: a copy of the world's own (NCCL's keep its stream priority and
+    communicator config; a plugin such as HCCL gets its own options class) with ``timeout``; fresh ones
+    where the world's cannot be copied (gloo's)."""
+    world = dist.distributed_c10d._get_default_group()
+    options = None
+    try:
+        options = copy.deepcopy(world._get_backend(torch.device(mesh_device_type())).options)
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    if options is None:
+        name = backend_name()
+        if "nccl" in name and hasattr(dist, "ProcessGroupNCCL"):
+            options = dist.ProcessGroupNCCL.Options()
+        elif "gloo" in name:
+            options = dist.ProcessGroupGloo._Options()
+        else:
+            options = torch._C._distributed_c10d.Backend.Options(name.split(",")[0].split(":")[-1])
+    options._timeout = timeout
+    return options
+
+
+def _group_options(timeout_s: float | None, dims: tuple[str, ...], shape: tuple[int, ...]) -> dict | None:
+    """Per mesh dimension, the options that give its groups their timeout (:func:`group_timeout`), one
+    object each (a group's creation may change its options). None where nothing is to be set: a
+    dimension of one rank, and one spanning the world when the plan sets no timeout (the mesh then
+    reuses the world's own group, which has the world's timeout, instead of a second communicator)."""
+    timeout = group_timeout(timeout_s)
     if timeout is None:
         return None
-    if "nccl" in backend_name() and hasattr(dist, "ProcessGroupNCCL"):
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        options = torch._C._distributed_c10d.Backend.Options(backend_name().split(",")[0].split(":")[-1])
-    options._timeout = timeout
-    return {d: options for d in dims}
+    world = dist.get_world_size()
+    out = {d: _options_like_world(timeout) for d, n in zip(dims, shape, strict=True)
+           if n > 1 and (n < world or timeout_s)}
+    return out or None
 
 
 def group_timeout(timeout_s: float | None) -> timedelta | None:
@@ -194,8 +217,9 @@ def _consecutive_mesh(dims: tuple[str, str], field: str, size: int, timeout_s: f
             f"{field}={size} does not divide the world size {world}: choose one that divides it "
             f"(e.g. {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
         )
-    return init_device_mesh(mesh_device_type(), (world // size, size), mesh_dim_names=dims,
-                            backend_override=_group_options(group_timeout(timeout_s), dims))
+    shape = (world // size, size)
+    return init_device_mesh(mesh_device_type(), shape, mesh_dim_names=dims,
+                            backend_override=_group_options(timeout_s, dims, shape))
 
 
 def check_tp_mesh(mesh: DeviceMesh, tp_size: int) -> DeviceMesh:

@@ -9,10 +9,12 @@ from run to run. Here every such sum is a loop over a token's copy *positions* (
 there is none). Each pass is a gather with distinct indices, accumulated in the promoted dtype, so
 the result does not depend on the device's scheduling and no ``[n, width, H]`` buffer is built.
 
-Side values (routing weights, expert ids) travel as extra columns of the rows' own exchange, their
-bytes reinterpreted in the hidden dtype (:func:`pack_rows`): one all-to-all per direction, and the
-rows stay in the hidden dtype whatever the weights' dtype. The exchange only moves bytes, so the
-values and the weights' gradients arrive bit for bit.
+Side values (routing weights, expert ids) travel as extra columns of the rows' own exchange
+(:func:`pack_rows`), one column per byte holding the byte's value 0..255, which every float dtype
+holds exactly: one all-to-all per direction, the rows in the hidden dtype whatever the weights'
+dtype, and the values and the weights' gradients arrive bit for bit. (Reinterpreting the bytes as
+bf16 would be half the columns but makes NaN patterns, which anomaly checks reject and a compiled
+copy may canonicalise.)
 """
 
 from __future__ import annotations
@@ -93,51 +95,44 @@ def weighted_row_sum(y: torch.Tensor, weights: torch.Tensor, table: torch.Tensor
 
 
 def _as_columns(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The bytes of ``t [S, n]`` as columns of ``dtype`` (zero-padded to whole elements)."""
-    raw = t.contiguous().view(torch.uint8)
-    size = torch.empty((), dtype=dtype).element_size()
-    pad = -raw.shape[1] % size
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros((raw.shape[0], pad))], dim=1)
+    """Each byte of ``t [S, n]`` as one column of ``dtype`` holding its value 0..255 (exact in every float
+    dtype): never a NaN pattern, so neither anomaly checks nor a compiled copy can alter it."""
+    return t.contiguous().view(torch.uint8).to(dtype)
+
+
+def _from_columns(cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`_as_columns`: the bytes back, as ``dtype``."""
+    raw = torch.empty(cols.shape, dtype=torch.uint8, device=cols.device).copy_(cols)  # plain strides, even [1, n]
     return raw.view(dtype)
 
 
-def _from_columns(cols: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """The inverse of :func:`_as_columns`: ``[S, n]`` of ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return cols.contiguous().view(torch.uint8)[:, : n * size].contiguous().view(dtype)
-
-
-def side_columns(k: int, weights_dtype: torch.dtype, hidden_dtype: torch.dtype) -> tuple[int, int]:
-    """How many ``hidden_dtype`` columns ``k`` weights and ``k`` int32 ids take."""
-    size = torch.empty((), dtype=hidden_dtype).element_size()
-    width = lambda dt: -(-k * torch.empty((), dtype=dt).element_size() // size)  # noqa: E731
-    return width(weights_dtype), width(torch.int32)
+def side_columns(k: int, weights_dtype: torch.dtype) -> tuple[int, int]:
+    """How many columns ``k`` weights and ``k`` int16 ids take (one per byte)."""
+    return k * weights_dtype.itemsize, k * torch.int16.itemsize
 
 
 class _Pack(Function):
     @staticmethod
     def forward(ctx, x, weights, ids):  # type: ignore[override]
         ctx.hidden, ctx.weights_dtype, ctx.k = x.shape[1], weights.dtype, weights.shape[1]
-        return torch.cat([x, _as_columns(weights, x.dtype), _as_columns(ids.to(torch.int32), x.dtype)], dim=1)
+        return torch.cat([x, _as_columns(weights, x.dtype), _as_columns(ids.to(torch.int16), x.dtype)], dim=1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
-        w_cols, _ = side_columns(ctx.k, ctx.weights_dtype, grad.dtype)
-        h = ctx.hidden
-        return grad[:, :h], _from_columns(grad[:, h : h + w_cols], ctx.weights_dtype, ctx.k), None
+        h, (w_cols, _) = ctx.hidden, side_columns(ctx.k, ctx.weights_dtype)
+        return grad[:, :h], _from_columns(grad[:, h : h + w_cols], ctx.weights_dtype), None
 
 
 class _Unpack(Function):
     @staticmethod
     def forward(ctx, packed, hidden, weights_dtype, k):  # type: ignore[override]
-        w_cols, id_cols = side_columns(k, weights_dtype, packed.dtype)
+        w_cols, id_cols = side_columns(k, weights_dtype)
         ctx.hidden, ctx.weights_dtype, ctx.k, ctx.id_cols = hidden, weights_dtype, k, id_cols
         ctx.rows_dtype = packed.dtype
         x = packed[:, :hidden]
-        weights = _from_columns(packed[:, hidden : hidden + w_cols], weights_dtype, k)
-        ids = _from_columns(packed[:, hidden + w_cols :], torch.int32, k)
+        weights = _from_columns(packed[:, hidden : hidden + w_cols], weights_dtype)
+        ids = _from_columns(packed[:, hidden + w_cols :], torch.int16)
         ctx.mark_non_differentiable(ids)
         return x, weights, ids
 
@@ -149,16 +144,16 @@ class _Unpack(Function):
         if grad_w is None:
             grad_w = torch.zeros((grad_x.shape[0], ctx.k), dtype=ctx.weights_dtype, device=grad_x.device)
         ids = grad_x.new_zeros((grad_x.shape[0], ctx.id_cols))
-        return torch.cat([grad_x, _as_columns(grad_w, grad_x.dtype), ids], dim=1), None, None, None
+        return torch.cat([grad_x, _as_columns(grad_w.to(ctx.weights_dtype), grad_x.dtype), ids], dim=1), None, None, None
 
 
 def pack_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[S, H + side]`` in ``x``'s dtype: the rows, then the bytes of ``weights [S, K]`` (differentiable)
-    and of ``ids [S, K]`` (as int32)."""
+    and of ``ids [S, K]`` (as int16), one column per byte."""
     return _Pack.apply(x, weights, ids)
 
 
 def unpack_rows(packed: torch.Tensor, hidden: int, weights_dtype: torch.dtype, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x [S, H], weights [S, K], ids [S, K] int32)`` from :func:`pack_rows`' rows."""
+    """``(x [S, H], weights [S, K], ids [S, K] int16)`` from :func:`pack_rows`' rows."""
     return _Unpack.apply(packed, hidden, weights_dtype, k)

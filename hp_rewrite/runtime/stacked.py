@@ -36,8 +36,9 @@ class StackedParams:
         """The differentiable copy (what the other backends take)."""
         return torch.stack(self.params)
 
-    def to(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.stacked().to(dtype)
+    def to(self, dtype: torch.dtype) -> StackedParams:
+        """Each expert's weight in ``dtype`` (autocast's cast; no copy where it is already)."""
+        return self if dtype == self.dtype else StackedParams([p.to(dtype) for p in self.params])
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -62,9 +63,9 @@ class _StackedGroupedMM(Function):
             w = torch.stack(params)  # made again: [E, in, out] transposed, else [E, out, in]
             dx = _mm(grad, w.transpose(1, 2) if ctx.transposed else w, offsets)
         dws = [None] * len(params)
-        if any(ctx.needs_input_grad[3:]):
-            dw = _mm(x.t(), grad, offsets)  # [E, in, out]
-            dws = list((dw if ctx.transposed else dw.transpose(1, 2)).unbind(0))
+        if any(ctx.needs_input_grad[3:]):  # k-grouped, in each weight's own layout: contiguous slices
+            dw = _mm(x.t(), grad, offsets) if ctx.transposed else _mm(grad.t(), x, offsets)
+            dws = list(dw.unbind(0))
         return dx, None, None, *dws
 
 

@@ -141,7 +141,7 @@ class Interleaver:
         results: list = [None] * n
         errors: list[BaseException | None] = [None] * n
         grad_enabled = torch.is_grad_enabled()
-        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+        stream = _caller_stream()
 
         def run(i: int) -> None:
             token = _TURN.set((turns, i))
@@ -175,6 +175,17 @@ class Interleaver:
         for t, _ in self._workers:
             t.join()
         self._workers.clear()
+
+
+def _caller_stream():
+    """The calling thread's accelerator stream (it names its device), or None where the accelerator is
+    not in use (not available, or not initialised: a CPU model on a GPU host starts no CUDA context)."""
+    if not torch.accelerator.is_available():
+        return None
+    module = torch.get_device_module(torch.accelerator.current_accelerator())
+    if not getattr(module, "is_initialized", lambda: True)():
+        return None
+    return torch.accelerator.current_stream()
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
