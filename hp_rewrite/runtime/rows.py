@@ -40,14 +40,16 @@ def fixed_order_sum(rows: torch.Tensor, table: torch.Tensor, weights: torch.Tens
     if dtype is None:
         dtype = rows.dtype if weights is None else torch.promote_types(rows.dtype, weights.dtype)
     n, width = table.shape
-    padded = torch.cat([rows, rows.new_zeros((1, rows.shape[-1]))])
-    w = None if weights is None else torch.cat([weights, weights.new_zeros(1)])
     out = rows.new_zeros((n, rows.shape[-1]), dtype=dtype)
-    for j in range(width):
-        term = padded.index_select(0, table[:, j]).to(dtype)
-        if w is not None:
-            term = term * w.index_select(0, table[:, j]).to(dtype).unsqueeze(1)
-        out += term
+    last = rows.shape[0] - 1
+    if last < 0:
+        return out
+    for j in range(width):  # no padded copy of ``rows``: a missing copy reads the last row, then is zeroed
+        index = table[:, j]
+        term = rows.index_select(0, index.clamp(max=last)).to(dtype)
+        if weights is not None:
+            term = term * weights.index_select(0, index.clamp(max=last)).to(dtype).unsqueeze(1)
+        out += torch.where((index <= last).unsqueeze(1), term, 0)
     return out
 
 
