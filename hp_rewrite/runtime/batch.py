@@ -33,6 +33,7 @@ class LocalBatch:
     offsets: torch.Tensor
     compute: str = "auto"
     weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
+    padded: bool = False  # made by pad_empty_groups: no group is empty (never padded twice)
 
     @classmethod
     def from_counts(
@@ -72,6 +73,8 @@ def pad_empty_groups(batch: LocalBatch, always: bool = False) -> tuple[LocalBatc
     every group, which needs no host value. Positions and offsets are computed on the device."""
     counts = batch.known_counts
     x, offsets = batch.hidden, batch.offsets
+    if batch.padded:
+        return None
     if counts is None:
         if not always:
             return None
@@ -89,4 +92,4 @@ def pad_empty_groups(batch: LocalBatch, always: bool = False) -> tuple[LocalBatc
     positions = (rows + before[group]).long()
     padded = x.new_zeros((x.shape[0] + pad_rows, x.shape[1])).index_copy(0, positions, x)
     return LocalBatch(padded, padded_counts, (offsets + shift).to(torch.int32), batch.compute,
-                      batch.weight_grads), positions
+                      batch.weight_grads, padded=True), positions
