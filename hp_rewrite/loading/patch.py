@@ -107,14 +107,15 @@ def refuse_wrapped(model: nn.Module) -> None:
 def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     """Mark a rewritten model: ``model.hp_rewrite``, the engine guard (runtime.engines) and a
     save_pretrained that gathers the experts."""
-    from .save import load_full_checkpoints, refuse_partial_adapter_state
+    from .adapters import install_adapter_state_hooks
+    from .save import load_full_checkpoints
 
     if info.plan.tp_size > 1:
         info.tensor = split_dense(model, info.plan, info.ep, info.patched)
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     load_full_checkpoints(model)
-    refuse_partial_adapter_state(model)
+    install_adapter_state_hooks(model)
     model.hp_rewrite = info
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained

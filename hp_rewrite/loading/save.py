@@ -24,8 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
-from ..runtime import ExpertParallelError, local_rows
-from ..runtime.gradients import rank_local_modules
+from ..runtime import local_rows
 from .checkpoint_files import expert_slices, foreign_experts, natural_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -376,31 +375,3 @@ def load_full_checkpoints(model: nn.Module) -> None:
 
     model.register_load_state_dict_pre_hook(slice_experts)
     model.register_load_state_dict_pre_hook(shard_dense)
-
-
-def refuse_partial_adapter_state(model: nn.Module) -> None:
-    """A state dict of an expert-parallel model with PEFT adapters on its experts is an error.
-
-    Each rank trains the adapters of its own experts, so one rank's state dict holds a fraction of
-    them under the full model's names: PEFT's ``save_pretrained`` (from rank 0, as Trainer calls it)
-    would write them as if they were all. Merging the adapters and saving with
-    :func:`save_pretrained` from every rank writes the whole model.
-    """
-
-    def check(module, state_dict, prefix, local_metadata):
-        holders = _holders(module)
-        if not holders or all(h.hp_expert_parallel.ep.size == 1 for _, h in holders):
-            return
-        weights = {id(h.hp_layout.param(h, w)) for _, h in holders for w in h.hp_layout.weight_names}
-        adapters = [f"{path}.{n}" if path else n for path, m in rank_local_modules(module)
-                    for n, p in m.named_parameters() if id(p) not in weights]
-        adapters = [n for n in adapters if f"{prefix}{n}" in state_dict]
-        if adapters:
-            raise ExpertParallelError(
-                f"state_dict of an expert-parallel model with adapters on its experts ({adapters[0]}, ...): each "
-                "rank holds only its own experts' adapters, so this would save (or restore) a fraction of them. "
-                "Merge them (peft_model.merge_and_unload()) and save with hp_rewrite.save_pretrained(model, dir) "
-                "on every rank"
-            )
-
-    model.register_state_dict_post_hook(check)
