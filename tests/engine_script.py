@@ -140,6 +140,115 @@ def case_trainer_adamw(model_dir, out):
     return result
 
 
+def _lora_state(model) -> dict:
+    """The LoRA tensors of a PEFT model's state dict (an expert-parallel one: gathered, collective)."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def _lora_worst(model, ref) -> float:
+    got, want = _lora_state(model), _lora_state(ref)
+    assert sorted(got) == sorted(want) and got, (sorted(got), sorted(want))
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item() for k in want)
+
+
+def _own_expert_adapters(model) -> None:
+    """Draw each rank's expert adapters from a generator of its own: every expert's differ, so an
+    expert gathered into the wrong place shows."""
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def case_trainer_lora_experts(model_dir, out, attention: bool = False):
+    """LoRA on the experts only (PEFT target_parameters: no parameter for DDP to manage), three AdamW
+    steps with gradient accumulation 2 and clipping, a checkpoint after each; save_model; a second
+    Trainer resumes from checkpoint-1 and ends where the first did; plain PEFT reads what was saved.
+    ``attention``: LoRA on attention too (Trainer builds DDP around the model)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    world, steps, accum = dist.get_world_size(), 3, 2
+    config = dict(r=2, lora_alpha=4, init_lora_weights=False,
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    if attention:
+        config["target_modules"] = ["q_proj", "v_proj"]
+    out = out / ("lora_attention" if attention else "lora_experts")
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    torch.manual_seed(5)  # replicated adapters (attention) alike on every rank, as DDP makes them
+    model = get_peft_model(_ep_model(model_dir, out.parent / "art"), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref.load_state_dict(_lora_state(model), strict=False)  # the same adapters, full shape
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    common = dict(optim="adamw_torch", learning_rate=1e-3, adam_epsilon=1e-4, weight_decay=0.0, max_steps=steps,
+                  gradient_accumulation_steps=accum, max_grad_norm=0.5, save_strategy="steps", save_steps=1)
+    trainer = _trainer(model, samples, out, **common)
+    trainer.train()
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
+                                 _adamw([p for p in ref.parameters() if p.requires_grad]), 0.5)
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora",
+              "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+              "ref_norms": ref_norms, "wrapped": type(trainer.model_wrapped).__name__}
+    trainer.save_model(str(out / "final"))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:  # plain transformers + PEFT read the adapter the run wrote
+        for folder in ("final", "checkpoint-3"):
+            got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / folder))
+            result[f"reload_{folder}"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        result["files"] = sorted(os.listdir(out / "checkpoint-1"))
+    dist.barrier()
+    torch.manual_seed(99)
+    resumed_model = get_peft_model(_ep_model(model_dir, out.parent / "art"), LoraConfig(**config))
+    resumed = _trainer(resumed_model, samples, out, **common)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    result["resume_worst"] = _lora_worst(resumed_model, model)
+    return result
+
+
+def case_trainer_lora_attention_experts(model_dir, out):
+    return case_trainer_lora_experts(model_dir, out, attention=True)
+
+
+def case_accelerate_lora_experts(model_dir, out):
+    """LoRA on the experts only through accelerate: prepare leaves DDP out (nothing for it to manage),
+    accumulate(2) and clip_grad_norm_ in the user's loop, two SGD steps; a DDP the user builds
+    around such a model is refused clearly."""
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hp_rewrite.runtime import ExpertParallelError
+
+    world, steps, accum = dist.get_world_size(), 2, 2
+    config = dict(r=2, lora_alpha=4, init_lora_weights=False, target_parameters=["mlp.experts.gate_up_proj"])
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref.load_state_dict(_lora_state(model), strict=False)
+    try:
+        DistributedDataParallel(model)
+        refused = ""
+    except ExpertParallelError as e:
+        refused = str(e)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
+    ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    norms = []
+    for batch in ids[:, dist.get_rank()]:
+        with accelerator.accumulate(prepared):
+            accelerator.backward(prepared(input_ids=batch, labels=batch).loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(prepared.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
+                                 torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0), 0.5)
+    return {"worst": _lora_worst(model, ref), "worst_name": "lora", "norms": norms, "ref_norms": ref_norms,
+            "wrapped": type(prepared).__name__, "ddp_refused": refused}
+
+
 def case_accelerate(model_dir, out):
     """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps."""
     from accelerate import Accelerator
@@ -214,8 +323,8 @@ def case_trainer_unprepared(model_dir, out):
 
 
 def case_trainer_refusals(model_dir, out):
-    """prepare_trainer refuses what it cannot make exact: checkpoints of adapters on the experts
-    (PEFT), DeepSpeed; attention-only adapters need nothing from it (FSDP: tests/fsdp_engine_script.py)."""
+    """prepare_trainer refuses what it cannot make exact: DeepSpeed; attention-only adapters need
+    nothing from it (FSDP: tests/fsdp_engine_script.py)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -230,10 +339,6 @@ def case_trainer_refusals(model_dir, out):
 
     args = dict(output_dir=str(out / "refusals"), use_cpu=True, ddp_backend="gloo", report_to=[])
     result = {"plain": refusal(Trainer(model=_reference(model_dir), args=TrainingArguments(**args)))}
-    experts = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(
-        r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
-    result["peft_experts"] = refusal(Trainer(model=experts, args=TrainingArguments(**args, save_strategy="steps")))
-    result["peft_experts_no_save"] = refusal(Trainer(model=experts, args=TrainingArguments(**args, save_strategy="no")))
     attention = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(r=2, target_modules=["q_proj"]))
     trainer = Trainer(model=attention, args=TrainingArguments(**args))
     result["peft_attention"] = refusal(trainer)

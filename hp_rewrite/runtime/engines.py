@@ -52,6 +52,15 @@ class RankLocalNames:
         self._model = model  # a strong reference: a deep copy of the model gets its own copy of this
 
     def __iter__(self):
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        local = {id(p) for p in rank_local_parameters(self._model)}
+        if trainable and all(id(p) in local for p in trainable):
+            raise ExpertParallelError(
+                "DistributedDataParallel around a model whose every trainable parameter is rank-local (adapters "
+                "on the experts only): DDP would have nothing to manage (torch refuses to build it). Train it "
+                "without DDP: hp_rewrite.sync_gradients(model) after backward in a loop, or a Trainer / "
+                "Accelerator passed to hp_rewrite.prepare_trainer / prepare_accelerator, which leave DDP out"
+            )
         names = rank_local_names(self._model)
         # TP-split parameters too, so that DDP can be built and the guard's clear refusal reached
         names += [n for n, p in self._model.named_parameters() if isinstance(p, DTensor)]
@@ -133,6 +142,7 @@ class EngineGuard:
         self._checked = weakref.WeakKeyDictionary()  # DDP wrapper -> wraps this model (validated)
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
         self._reduced = False  # the rank-local gradients hold reduced (final) values
+        self._engine_sync = None  # set by sync_without_ddp: whether this backward synchronises
         model._ddp_params_and_buffers_to_ignore = RankLocalNames(model)
         self._handles = [
             model.register_forward_pre_hook(self._before_forward),
@@ -149,6 +159,7 @@ class EngineGuard:
         twin._above = None  # the copy is not complete yet: found at its first forward
         twin._checked, twin._tasks, twin._handles = weakref.WeakKeyDictionary(), set(), []
         twin.under_ddp = twin.ddp_sync = twin._reduced = False
+        twin._engine_sync = None
         twin.reductions = 0
         return twin
 
@@ -171,7 +182,9 @@ class EngineGuard:
                 self._check_ddp(ddp, module)
             self._checked[ddp] = wraps
         if ddp is None or not self._checked[ddp]:
-            self.under_ddp = False
+            # an engine that leaves DDP out (every trainable parameter rank-local): it synchronises here
+            self.under_ddp = self._engine_sync is not None
+            self.ddp_sync = self.under_ddp and torch.is_grad_enabled() and self._engine_sync()
             return
         if in_interleaved_step():
             raise ExpertParallelError(
@@ -292,13 +305,20 @@ class EngineGuard:
         self.reductions += 1
         self._reduced = True
 
+    def sync_without_ddp(self, synchronises) -> None:
+        """For an engine that builds no DDP because every trainable parameter is rank-local (DDP
+        refuses a model with nothing for it to manage): the guard reduces those gradients at the end of
+        every backward for which ``synchronises()`` (asked at the forward: accelerate's
+        ``sync_gradients``) is true, as it does under a synchronising DDP."""
+        self._engine_sync = synchronises
+
     def refuse_manual_sync(self, what: str) -> None:
         """``sync_gradients`` / ``GradientSync`` on a model that DDP already synchronises would reduce
         every gradient twice."""
         if self.under_ddp:
             raise ExpertParallelError(
-                f"{what}: this model runs inside DistributedDataParallel, which (with hp-rewrite's expert "
-                "reduction) already gives every gradient the unmodified model's value after backward(); "
+                f"{what}: this model runs inside DistributedDataParallel (or an engine prepared by hp-rewrite), "
+                "which (with hp-rewrite's expert reduction) already gives every gradient the unmodified model's value after backward(); "
                 f"remove the {what} call"
             )
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
+from ..runtime.gradients import rank_local_parameters
 from . import info_of, rewritten_model
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
@@ -167,6 +168,27 @@ def _latest_state(accelerator) -> str:
     return str(folders[-1])
 
 
+def trained_by_ddp(wrapper, model) -> bool:
+    """Whether DDP would manage any trainable parameter of ``wrapper`` (it refuses to be built otherwise)."""
+    local = {id(p) for p in rank_local_parameters(model)}
+    return any(p.requires_grad and id(p) not in local for p in wrapper.parameters())
+
+
+def leave_out_ddp(accelerator, model) -> None:
+    """Every trainable parameter of ``model`` is rank-local (adapters on the experts only): DDP would
+    have nothing to manage and refuses to be built, so accelerate prepares it without DDP (its
+    ``evaluation_mode``: device placement, mixed precision and compile, no DDP), and the engine guard
+    reduces the rank-local gradients at every synchronising step (``sync_gradients``), as under DDP."""
+    prepare_model = accelerator.prepare_model
+
+    def prepare_model_without_ddp(m, device_placement=None, evaluation_mode=False):
+        mine = rewritten_model(m) is model
+        return prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode or mine)
+
+    accelerator.prepare_model = prepare_model_without_ddp
+    model.hp_rewrite.engine.sync_without_ddp(lambda: accelerator.sync_gradients)
+
+
 def prepare_accelerator(accelerator):
     """Make ``accelerator`` prepare, clip, save and load an expert-parallel model exactly (module doc).
 
@@ -194,6 +216,10 @@ def prepare_accelerator(accelerator):
                 _shard_experts_first(accelerator, model, optimizers)
             with _plugin_for_ep(accelerator, presharded):
                 return prepare(*args, device_placement=device_placement)
+        for model in (a for a in args if _is_ep_model(a)):
+            if accelerator.num_processes > 1 and not trained_by_ddp(model, rewritten_model(model)) and \
+                    any(p.requires_grad for p in model.parameters()):
+                leave_out_ddp(accelerator, rewritten_model(model))
         return prepare(*args, device_placement=device_placement)
 
     def clip_ep(parameters, max_norm, norm_type=2):

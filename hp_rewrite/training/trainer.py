@@ -13,6 +13,13 @@ resuming do, because Trainer writes from rank 0 alone and each rank holds differ
 * resuming reads the full checkpoint's experts into each rank's rows (``load_state_dict`` on the
   rewritten model slices them, see :func:`hp_rewrite.loading.save.load_full_checkpoints`).
 
+A PEFT model with adapters on the experts saves as PEFT saves: ``save_model`` and checkpoints write
+the adapter plain PEFT writes (every rank joins the save, whose state dict gathers the expert
+adapters, see :mod:`hp_rewrite.loading.adapters`), with each rank's adapter optimizer state beside it;
+resuming reads the adapter back through PEFT's ``load_adapter``. When the expert adapters are the
+only trainable parameters, DDP (which would have nothing to manage) is left out and the engine guard
+reduces their gradients at each synchronising step.
+
 With ``fsdp_config`` version 2 the Trainer is prepared for FSDP2 instead (:mod:`.trainer_fsdp`).
 DeepSpeed and FSDP1 are refused: they would shard the rank-local experts as if they were one tensor.
 """
@@ -32,7 +39,7 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import expert_parameters, rank_local_parameters
 from . import rewritten_model
-from .accelerator import deepspeed_refusal, refuse_unsupported
+from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported, trained_by_ddp
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -141,6 +148,26 @@ def _save_model(self, output_dir: str | None = None, _internal_call: bool = Fals
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
 
+def _expert_adapters(model) -> list[torch.nn.Parameter]:
+    """Trainable parameters that exist only on this rank besides the expert weights: adapters on them."""
+    weights = {id(p) for p in expert_parameters(model)}
+    return [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
+
+
+def _join_adapter_saves(trainer) -> None:
+    """Trainer saves a PEFT model from the writing ranks only (``should_save``); gathering the expert
+    adapters takes every rank, so the others join with a save that writes nothing."""
+    save_model = trainer.save_model
+
+    def save_model_on_every_rank(output_dir: str | None = None, _internal_call: bool = False):
+        if not trainer.args.should_save:
+            trainer.model.save_pretrained(output_dir if output_dir is not None else trainer.args.output_dir,
+                                          is_main_process=False)
+        return save_model(output_dir, _internal_call)
+
+    trainer.save_model = save_model_on_every_rank
+
+
 def prepare_trainer(trainer):
     """Make ``trainer`` save, checkpoint and resume its expert-parallel model exactly (module doc).
 
@@ -158,20 +185,13 @@ def prepare_trainer(trainer):
             "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
-    if model is not trainer.model and getattr(trainer, "is_fsdp_enabled", False):
+    peft = model is not trainer.model  # a PEFT model: Trainer saves and resumes only its adapters
+    if peft and getattr(trainer, "is_fsdp_enabled", False):
         raise ExpertParallelError(
             "prepare_trainer: a PEFT model with fsdp_config is not supported for an expert-parallel model; train "
             "its adapters with the default DDP (no fsdp arguments)"
         )
-    if model is not trainer.model:  # a PEFT model: Trainer saves and resumes only its adapters
-        weights = {id(p) for p in expert_parameters(model)}
-        local_adapters = [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
-        if local_adapters and model.hp_rewrite.ep.size > 1 and trainer.args.save_strategy != "no":
-            raise ExpertParallelError(
-                "prepare_trainer: the PEFT model trains adapters on the experts, which are rank-local; Trainer "
-                "checkpoints of them are not supported. Train with save_strategy='no', then merge_and_unload() "
-                "and hp_rewrite.save_pretrained(model, dir) on every rank"
-            )
+    if peft and (model.hp_rewrite.ep.size == 1 or not _expert_adapters(model)):
         return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
@@ -183,7 +203,12 @@ def prepare_trainer(trainer):
     callback = ExpertParallelCallback(trainer)
     trainer.add_callback(callback)
     trainer.hp_rewrite_callback = callback
-    trainer.save_model = types.MethodType(_save_model, trainer)
+    if peft:
+        _join_adapter_saves(trainer)
+        if not trained_by_ddp(trainer.model, model):
+            leave_out_ddp(trainer.accelerator, model)
+    else:
+        trainer.save_model = types.MethodType(_save_model, trainer)
     train = trainer.train
 
     def train_resumable(resume_from_checkpoint=None, *args, **kwargs):
