@@ -249,6 +249,51 @@ def case_accelerate_lora_experts(model_dir, out):
             "wrapped": type(prepared).__name__, "ddp_refused": refused}
 
 
+def case_sft_lora_experts(model_dir, out):
+    """TRL's SFTTrainer with SFTConfig's defaults (activation checkpointing, the load-balancing loss;
+    fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and
+    on the unmodified model with the same adapters in the same world (the load-balancing loss is per
+    rank's micro-batch in both); save_model writes the adapter plain PEFT reads."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.fsdp_engine_script import _tokenizer
+
+    world = dist.get_world_size()
+    config = dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))  # PEFT's init: B = 0
+    _own_expert_adapters(model)
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2 * 2)
+    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
+    results = []
+    for name, m in (("ep", model), ("ref", ref)):
+        args = SFTConfig(output_dir=str(out / "sft" / name), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
+                         report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=2,
+                         gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-3, adam_epsilon=1e-4,
+                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True)
+        trainer = SFTTrainer(model=m, args=args, train_dataset=data, processing_class=_tokenizer(m.config.vocab_size))
+        if name == "ep":
+            hp_rewrite.prepare_trainer(trainer)
+        trainer.train()
+        results.append(trainer)
+    ep, reference = results
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "checkpointing": ep.args.gradient_checkpointing,
+              "aux_loss": ep.aux_loss_enabled, "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
+              "ref_losses": [h["loss"] for h in reference.state.log_history if "loss" in h],
+              "grad_norm": [h["grad_norm"] for h in ep.state.log_history if "grad_norm" in h],
+              "ref_norms": [h["grad_norm"] for h in reference.state.log_history if "grad_norm" in h]}
+    ep.save_model(str(out / "sft" / "final"))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:
+        got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / "sft" / "final"))
+        result["reload_final"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return result
+
+
 def case_accelerate(model_dir, out):
     """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps."""
     from accelerate import Accelerator

@@ -152,7 +152,8 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 
 
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
-                "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts", "accelerate_lora_experts"]
+                "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
+                "accelerate_lora_experts", "sft_lora_experts"]
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,8 @@ def engine_results(tiny_dir: Path, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case", ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
-                                  "trainer_lora_experts", "trainer_lora_attention_experts", "accelerate_lora_experts"])
+                                  "trainer_lora_experts", "trainer_lora_attention_experts", "accelerate_lora_experts",
+                                  "sft_lora_experts"])
 def test_trainer_and_accelerate_equal_unmodified(case: str, engine_results: dict) -> None:
     for rank, r in enumerate(engine_results[case]):
         assert r["worst"] <= TOL, (rank, r["worst_name"], r["worst"])
@@ -201,6 +203,15 @@ def test_trainer_checkpoints_and_resumes_expert_adapters(case: str, engine_resul
     assert r0["resume_worst"] == 0.0 and r1["resume_worst"] == 0.0, (r0, r1)
     want = "DistributedDataParallel" if case == "trainer_lora_attention_experts" else "PeftModel"
     assert r0["wrapped"] == r1["wrapped"] == want, (r0, r1)
+
+
+def test_sft_trainer_with_lora_on_the_experts_equals_unmodified(engine_results: dict) -> None:
+    """SFTConfig's defaults (activation checkpointing, the load-balancing loss), LoRA on the experts
+    only: the same losses, norms and adapters as SFTTrainer on the unmodified model with them."""
+    for r in engine_results["sft_lora_experts"]:
+        assert r["checkpointing"] and r["aux_loss"], r
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
+    assert engine_results["sft_lora_experts"][0]["reload_final"] == 0.0, engine_results["sft_lora_experts"][0]
 
 
 def test_ddp_around_expert_adapters_only_is_refused_and_accelerate_leaves_it_out(engine_results: dict) -> None:

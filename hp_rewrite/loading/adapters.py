@@ -148,31 +148,27 @@ def local_part(adapter: ExpertAdapter, full: torch.Tensor) -> torch.Tensor:
                                          torch.tensor(adapter.rows(placement.local_experts), device=full.device)))
 
 
+def _adapters_in(module: nn.Module, state_dict: dict, prefix: str, what: str) -> list[tuple[str, ExpertAdapter]]:
+    """``(key, adapter)`` of the expert adapters ``state_dict`` holds; other rank-local tensors refused."""
+    adapters, unknown = expert_adapters(module)
+    unknown = [n for n in unknown if f"{prefix}{n}" in state_dict]
+    if unknown:
+        _refuse(unknown, what)
+    return [(f"{prefix}{a.key}", a) for a in adapters if f"{prefix}{a.key}" in state_dict]
+
+
 def install_adapter_state_hooks(model: nn.Module) -> None:
     """State dicts of ``model`` (and of PEFT or engine wrappers around it) hold the expert adapters
     gathered at full shape; ``load_state_dict`` takes them full or local."""
 
     def gather(module, state_dict, prefix, local_metadata):
-        adapters, unknown = expert_adapters(module)
-        unknown = [n for n in unknown if f"{prefix}{n}" in state_dict]
-        if unknown:
-            _refuse(unknown, "state_dict")
-        for adapter in adapters:
-            key = f"{prefix}{adapter.key}"
-            if key in state_dict:
-                state_dict[key] = gather_full_adapter(adapter, state_dict[key])
+        for key, adapter in _adapters_in(module, state_dict, prefix, "state_dict"):
+            state_dict[key] = gather_full_adapter(adapter, state_dict[key])
 
     def slice_(module, state_dict, prefix, *_):
-        adapters, unknown = expert_adapters(module)
-        unknown = [n for n in unknown if f"{prefix}{n}" in state_dict]
-        if unknown:
-            _refuse(unknown, "load_state_dict")
-        for adapter in adapters:
-            key = f"{prefix}{adapter.key}"
-            t = state_dict.get(key)
-            if not torch.is_tensor(t) or t.shape == adapter.param.shape:
-                continue
-            if list(t.shape) == adapter.full_shape():
+        for key, adapter in _adapters_in(module, state_dict, prefix, "load_state_dict"):
+            t = state_dict[key]
+            if torch.is_tensor(t) and t.shape != adapter.param.shape and list(t.shape) == adapter.full_shape():
                 state_dict[key] = local_part(adapter, t)
 
     model.register_state_dict_post_hook(gather)
