@@ -104,6 +104,24 @@ def case_trainer_sgd_clip(model_dir, out):
     return case_trainer_sgd(model_dir, out, max_norm=0.5)
 
 
+def case_trainer_experts_only(model_dir, out):
+    """Only the expert weights trained (the rest frozen): DDP would manage nothing, so prepare_trainer
+    leaves it out and the engine guard reduces; one SGD step at lr 1 with clipping."""
+    world = dist.get_world_size()
+    ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
+    for m in (ref, model):
+        for name, p in m.named_parameters():
+            p.requires_grad_(".experts." in name)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world)
+    trainer = _trainer(model, samples, out / "experts_only", max_grad_norm=0.5)
+    trainer.train()
+    norms = _reference_steps(ref, samples, 1, PER_DEVICE * world,
+                             torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0), 0.5)
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name, "ref_norms": norms, "wrapped": type(trainer.model_wrapped).__name__,
+            "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
+
+
 def _adamw(params):
     # no weight decay: Trainer leaves norms and biases out of it, a hand-built AdamW would not
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.0)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from hp_rewrite.loading.adapters import has_expert_adapters
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
@@ -65,6 +66,13 @@ def adapter_round_trip(rank: int, peft_ref, peft_ep, plan, out_dir: Path, mine: 
                           artifact_dir=out_dir / "art_fresh")
     loaded = PeftModel.from_pretrained(fresh, ref_dir)
     out["ep_reads_plain"] = _rel(_logits(loaded, mine), _logits(peft_ref, mine))
+    # loaded frozen (PEFT's default): still expert adapters whose state dicts gather (prepare_trainer's test)
+    out["frozen_counted"] = has_expert_adapters(loaded) and not any(
+        p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n)
+    # PEFT's low_cpu_mem_usage: the adapters are created on the meta device, then assigned
+    lean = PeftModel.from_pretrained(rewrite_model(build_tiny_model(tiny_config("qwen3_moe"), seed=0), plan,
+                                                   artifact_dir=out_dir / "art_fresh"), ref_dir, low_cpu_mem_usage=True)
+    out["low_cpu_mem_usage"] = _rel(_logits(lean, mine), _logits(peft_ref, mine))
     loaded.load_adapter(before, adapter_name="before")
     loaded.set_adapter("before")
     plain_before = PeftModel.from_pretrained(build_tiny_model(tiny_config("qwen3_moe"), seed=0), before)

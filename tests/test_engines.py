@@ -110,10 +110,12 @@ def test_peft_lora_inside_ddp_equals_unmodified(target: str, tmp_path: Path) -> 
             assert r["state_dict_full"] and r["file_keys"] and r["file_shapes"] and r["same_config"], r
             assert r["two_adapters_keys"] and r["file_local_exact"] and r["ep_state_dict_exact"], r
             assert r["two_adapters_worst"] == 0.0, r  # loaded from one file by both: bit-equal
-            assert "modules_to_save" in r["modules_to_save_refused"] and "ExpertParallelError" in \
-                r["modules_to_save_refused"], r
+            # the wrapper's copies of the experts, named
+            assert "ExpertParallelError" in r["modules_to_save_refused"] and any(
+                f".experts.{w}." in r["modules_to_save_refused"] for w in ("original_module", "modules_to_save")), r
+            assert r["frozen_counted"], r
             for key in ("state_dict_worst", "file_worst", "plain_reads_ep", "ep_reads_plain", "second_adapter",
-                        "back_to_first"):
+                        "back_to_first", "low_cpu_mem_usage"):
                 assert r[key] <= TOL, (key, r)
             if rank == 0:
                 assert r["merged_worst"] <= 1e-6, r  # merged, gathered, loaded by plain transformers
@@ -153,7 +155,7 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
-                "accelerate_lora_experts", "sft_lora_experts"]
+                "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only"]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,7 @@ def engine_results(tiny_dir: Path, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case", ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                                   "trainer_lora_experts", "trainer_lora_attention_experts", "accelerate_lora_experts",
-                                  "sft_lora_experts"])
+                                  "sft_lora_experts", "trainer_experts_only"])
 def test_trainer_and_accelerate_equal_unmodified(case: str, engine_results: dict) -> None:
     for rank, r in enumerate(engine_results[case]):
         assert r["worst"] <= TOL, (rank, r["worst_name"], r["worst"])
@@ -217,6 +219,8 @@ def test_sft_trainer_with_lora_on_the_experts_equals_unmodified(engine_results: 
 def test_ddp_around_expert_adapters_only_is_refused_and_accelerate_leaves_it_out(engine_results: dict) -> None:
     for r in engine_results["accelerate_lora_experts"]:
         assert r["wrapped"] == "PeftModel" and "sync_gradients" in r["ddp_refused"], r
+    for r in engine_results["trainer_experts_only"]:  # the experts alone trained in full: no DDP either
+        assert r["wrapped"] == "Qwen3MoeForCausalLM", r
 
 
 def test_unprepared_trainer_save_is_refused(engine_results: dict) -> None:

@@ -10,7 +10,9 @@ holds them gathered over the EP group, at the unmodified model's full shapes (wh
 plain PEFT's files.
 
 Taking such a state dict is collective over the EP group, like a full state dict of FSDP: every rank
-calls it (``peft_model.save_pretrained(dir, is_main_process=rank == 0)`` on every rank). The gathered
+calls it (``peft_model.save_pretrained(dir, is_main_process=rank == 0)`` on every rank). PEFT's loads
+(``from_pretrained``, ``load_adapter``) take one too, so they run on every rank as well, as the
+model's forward does. The gathered
 tensors are host (CPU) tensors, gathered one at a time, so a save never holds more than one
 gathered adapter tensor on the accelerator.
 """
@@ -94,7 +96,8 @@ def expert_adapters(model: nn.Module) -> tuple[list[ExpertAdapter], list[str]]:
         known = {id(layout.param(holder, w)) for w in layout.weight_names}
         for wpath, wrapper in _wrappers(module, state_dict_name(path)):
             name = getattr(wrapper, "parameter_name", None)
-            if name is None or layout.modules or layout.flat or name not in layout.weight_names:
+            if name is None or layout.modules or layout.flat or name not in layout.weight_names or \
+                    layout.param(holder, name).dim() != 3:  # PEFT reads a 2-D one (a bias) as one expert
                 continue
             for factor, factors in (("A", getattr(wrapper, "lora_A", {})), ("B", getattr(wrapper, "lora_B", {}))):
                 for adapter, linear in factors.items():
@@ -104,6 +107,12 @@ def expert_adapters(model: nn.Module) -> tuple[list[ExpertAdapter], list[str]]:
         unknown += [state_dict_name(f"{path}.{n}" if path else n) for n, p in module.named_parameters()
                     if id(p) not in known]
     return found, unknown
+
+
+def has_expert_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds LoRA factors on its expert-parallel experts (trainable or frozen): its
+    state dicts then gather them, a collective every rank of the EP group must join."""
+    return bool(expert_adapters(model)[0])
 
 
 def _refuse(unknown: list[str], what: str) -> None:
@@ -127,6 +136,8 @@ def gather_full_adapter(adapter: ExpertAdapter, local: torch.Tensor) -> torch.Te
     from every EP rank's part (collective over the EP group)."""
     binding = adapter.holder.hp_expert_parallel
     ep, placement = binding.ep, binding.placement
+    if local.is_meta:  # an adapter being created without storage (PEFT's low_cpu_mem_usage): only its shape
+        return torch.empty(adapter.full_shape(), dtype=local.dtype, device="meta")
     local = _full(local).detach().contiguous()
     parts = [local]
     if ep.size > 1:

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..loading.adapters import has_expert_adapters
 from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
-from ..runtime.gradients import expert_parameters, rank_local_parameters
+from ..runtime.gradients import rank_local_parameters
 from . import rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported, trained_by_ddp
 from .trainer_fsdp import prepare_fsdp2_trainer
@@ -148,12 +149,6 @@ def _save_model(self, output_dir: str | None = None, _internal_call: bool = Fals
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
 
-def _expert_adapters(model) -> list[torch.nn.Parameter]:
-    """Trainable parameters that exist only on this rank besides the expert weights: adapters on them."""
-    weights = {id(p) for p in expert_parameters(model)}
-    return [p for p in rank_local_parameters(model) if p.requires_grad and id(p) not in weights]
-
-
 def _join_adapter_saves(trainer) -> None:
     """Trainer saves a PEFT model from the writing ranks only (``should_save``); gathering the expert
     adapters takes every rank, so the others join with a save that writes nothing."""
@@ -191,7 +186,7 @@ def prepare_trainer(trainer):
             "prepare_trainer: a PEFT model with fsdp_config is not supported for an expert-parallel model; train "
             "its adapters with the default DDP (no fsdp arguments)"
         )
-    if peft and (model.hp_rewrite.ep.size == 1 or not _expert_adapters(model)):
+    if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
         return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
@@ -205,10 +200,11 @@ def prepare_trainer(trainer):
     trainer.hp_rewrite_callback = callback
     if peft:
         _join_adapter_saves(trainer)
-        if not trained_by_ddp(trainer.model, model):
-            leave_out_ddp(trainer.accelerator, model)
     else:
         trainer.save_model = types.MethodType(_save_model, trainer)
+    if trainer.args.world_size > 1 and not trained_by_ddp(trainer.model, model) and \
+            any(p.requires_grad for p in trainer.model.parameters()):  # the experts or their adapters only
+        leave_out_ddp(trainer.accelerator, model)
     train = trainer.train
 
     def train_resumable(resume_from_checkpoint=None, *args, **kwargs):
