@@ -12,9 +12,8 @@ plain PEFT's files.
 Taking such a state dict is collective over the EP group, like a full state dict of FSDP: every rank
 calls it (``peft_model.save_pretrained(dir, is_main_process=rank == 0)`` on every rank). PEFT's loads
 (``from_pretrained``, ``load_adapter``) take one too, so they run on every rank as well, as the
-model's forward does. The gathered
-tensors are host (CPU) tensors, gathered one at a time, so a save never holds more than one
-gathered adapter tensor on the accelerator.
+model's forward does. The gathered tensors are host (CPU) tensors, gathered one at a time, so a save
+never holds more than one gathered adapter tensor on the accelerator.
 """
 
 from __future__ import annotations

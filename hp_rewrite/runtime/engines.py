@@ -33,7 +33,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import ExpertParallelError
-from .gradients import rank_local_modules, rank_local_names, rank_local_parameters, reduce_rank_local_grads
+from .gradients import (
+    rank_local_modules,
+    rank_local_names,
+    rank_local_parameters,
+    reduce_rank_local_grads,
+    trains_rank_local_only,
+)
 from .groups import ExpertParallelGroup
 from .install import exchange_runtimes
 from .turns import in_interleaved_step
@@ -52,9 +58,7 @@ class RankLocalNames:
         self._model = model  # a strong reference: a deep copy of the model gets its own copy of this
 
     def __iter__(self):
-        trainable = [p for p in self._model.parameters() if p.requires_grad]
-        local = {id(p) for p in rank_local_parameters(self._model)}
-        if trainable and all(id(p) in local for p in trainable):
+        if trains_rank_local_only(self._model):
             raise ExpertParallelError(
                 "DistributedDataParallel around a model whose every trainable parameter is rank-local (adapters "
                 "on the experts only): DDP would have nothing to manage (torch refuses to build it). Train it "
@@ -318,7 +322,8 @@ class EngineGuard:
         if self.under_ddp:
             raise ExpertParallelError(
                 f"{what}: this model runs inside DistributedDataParallel (or an engine prepared by hp-rewrite), "
-                "which (with hp-rewrite's expert reduction) already gives every gradient the unmodified model's value after backward(); "
+                "which (with hp-rewrite's expert reduction) already gives every gradient the unmodified model's "
+                "value after backward(); "
                 f"remove the {what} call"
             )
 

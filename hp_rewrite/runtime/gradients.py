@@ -76,6 +76,15 @@ def rank_local_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) in local]
 
 
+def trains_rank_local_only(model: nn.Module, wrapper: nn.Module | None = None) -> bool:
+    """Whether ``wrapper`` (``model`` itself, or PEFT's or an engine's wrapper of it) trains something
+    and every trainable parameter is rank-local (the experts or adapters on them): DDP would have
+    nothing to manage, and torch refuses to build it."""
+    trainable = [p for p in (model if wrapper is None else wrapper).parameters() if p.requires_grad]
+    local = {id(p) for p in rank_local_parameters(model)}
+    return bool(trainable) and all(id(p) in local for p in trainable)
+
+
 def rank_local_names(model: nn.Module) -> list[str]:
     """Names (relative to ``model``) of the rank-local parameters and of the buffers of the modules
     holding them: what a data-parallel wrapper must neither broadcast nor average."""

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
-from ..runtime.gradients import rank_local_parameters
+from ..runtime.gradients import trains_rank_local_only
 from . import info_of, rewritten_model
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
@@ -168,12 +168,6 @@ def _latest_state(accelerator) -> str:
     return str(folders[-1])
 
 
-def trained_by_ddp(wrapper, model) -> bool:
-    """Whether DDP would manage any trainable parameter of ``wrapper`` (it refuses to be built otherwise)."""
-    local = {id(p) for p in rank_local_parameters(model)}
-    return any(p.requires_grad and id(p) not in local for p in wrapper.parameters())
-
-
 def leave_out_ddp(accelerator, model) -> None:
     """Every trainable parameter of ``model`` is rank-local (adapters on the experts only): DDP would
     have nothing to manage and refuses to be built, so accelerate prepares it without DDP (its
@@ -217,8 +211,7 @@ def prepare_accelerator(accelerator):
             with _plugin_for_ep(accelerator, presharded):
                 return prepare(*args, device_placement=device_placement)
         for model in (a for a in args if _is_ep_model(a)):
-            if accelerator.num_processes > 1 and not trained_by_ddp(model, rewritten_model(model)) and \
-                    any(p.requires_grad for p in model.parameters()):
+            if accelerator.num_processes > 1 and trains_rank_local_only(rewritten_model(model), model):
                 leave_out_ddp(accelerator, rewritten_model(model))
         return prepare(*args, device_placement=device_placement)
 

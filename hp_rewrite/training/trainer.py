@@ -38,9 +38,9 @@ from transformers import TrainerCallback
 from ..loading.adapters import has_expert_adapters
 from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
-from ..runtime.gradients import rank_local_parameters
+from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import rewritten_model
-from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported, trained_by_ddp
+from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -202,8 +202,7 @@ def prepare_trainer(trainer):
         _join_adapter_saves(trainer)
     else:
         trainer.save_model = types.MethodType(_save_model, trainer)
-    if trainer.args.world_size > 1 and not trained_by_ddp(trainer.model, model) and \
-            any(p.requires_grad for p in trainer.model.parameters()):  # the experts or their adapters only
+    if trainer.args.world_size > 1 and trains_rank_local_only(model, trainer.model):  # experts / their adapters only
         leave_out_ddp(trainer.accelerator, model)
     train = trainer.train
 
