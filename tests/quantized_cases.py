@@ -35,19 +35,19 @@ def plain(model_dir, **kwargs) -> torch.nn.Module:
     return model
 
 
-def file_bytes(model_dir: Path) -> tuple[int, int]:
-    """(every tensor's bytes, the expert tensors' bytes) in the checkpoint's files."""
+def file_bytes(model_dir: Path, per_key: bool = False):
+    """(every tensor's bytes, the expert tensors' bytes) in the checkpoint's files; ``per_key``: bytes by key."""
     from safetensors import safe_open
 
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    total = experts = 0
+    sizes = {}
     for key, file in index.items():
         with safe_open(model_dir / file, framework="pt") as f:
             s = f.get_slice(key)
-            n = torch.Size(s.get_shape()).numel() * {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()]
-        total += n
-        experts += n if ".experts." in key else 0
-    return total, experts
+            sizes[key] = torch.Size(s.get_shape()).numel() * {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}[s.get_dtype()]
+    if per_key:
+        return sizes
+    return sum(sizes.values()), sum(n for k, n in sizes.items() if ".experts." in k)
 
 
 def local_state(model) -> dict[str, torch.Tensor]:
@@ -157,4 +157,121 @@ def world_case(rank: int, world: int, payload: dict) -> dict:
                           "mismatched": [k for k, v in full.state_dict().items()
                                          if not torch.equal(v, again.state_dict()[k])],
                           "dtype": str(again.dtype)}
+    out["kept"] = kept_case(rank, world, payload)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def kept_case(rank: int, world: int, payload: dict) -> dict:
+    """Experts kept as the checkpoint's codes and scales (``dequantize=False``), fp32, at EP = world: each
+    expert weight a QuantizedWeight whose decoded values are bit-equal to the dequantised model's local
+    rows, resident expert bytes = the stored bytes of this rank's share; LoRA on attention and on the
+    kept experts against plain PEFT on the dequantised unmodified model with the same adapters (forward,
+    every adapter gradient, one SGD step); the adapter saved as plain PEFT saves it; merging into the
+    kept weights and training them refused by name."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+
+    from hp_rewrite.runtime import holder_of
+    from hp_rewrite.runtime.quantized import QuantizedWeight
+
+    torch.set_num_threads(1)
+    art, out = Path(payload["artifacts"]), {}
+    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    for name, model_dir in payload["checkpoints"].items():
+        model_dir, r = Path(model_dir), {}
+        out[name] = r
+        if name.startswith("gpt_oss"):  # as a gpt-oss recipe writes it, under auto_patch
+            with hp_rewrite.auto_patch(plan, artifact_dir=art):
+                kept = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                            quantization_config=Mxfp4Config(dequantize=False))
+        else:
+            kept = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=False))
+        full = plain(model_dir, dtype=torch.float32).train()
+        kept.train()
+        want, local = full.state_dict(), local_state(kept)
+        weights = {n: p for n, p in kept.named_parameters() if n in local and not n.endswith("_bias")}
+        r["kept"] = sum(isinstance(p, QuantizedWeight) and not p.requires_grad for p in weights.values())
+        r["expert_weights"] = len(weights)
+        r["decoded_mismatched"] = []
+        for n, p in weights.items():
+            owner = kept.get_submodule(n.rsplit(".", 1)[0])
+            if not torch.equal(p.dense(), owner.hp_layout.per_expert(want[n])[local[n]]):
+                r["decoded_mismatched"].append(n)
+        r["expert_bytes"] = kept.hp_rewrite.load_report["expert_bytes"]
+        r["stored_share"] = sum(p.stored_bytes for p in weights.values())
+        # a full save decodes the kept experts: the checkpoint the dequantised model saves
+        kept.save_pretrained(art / f"kept-full-{name}")
+        if rank == 0:
+            again = plain(art / f"kept-full-{name}", dtype=torch.float32).state_dict()
+            r["saved_mismatched"] = [k for k, v in want.items() if not torch.equal(v, again[k])]
+
+        config = dict(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "q_b_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        torch.manual_seed(3)
+        peft_ref = get_peft_model(full, LoraConfig(**config))
+        torch.manual_seed(3)
+        peft_ep = get_peft_model(kept, LoraConfig(**config))
+        slicers, ref_modules = {}, dict(peft_ref.named_modules())
+        for path, module in peft_ep.named_modules():
+            holder = holder_of(module)
+            if holder is None or module is holder or not hasattr(module, "lora_A"):
+                continue
+            experts, n_full = list(holder.hp_expert_parallel.placement.local_experts), ref_modules[path].num_experts
+            slicers[f"{path}.lora_A.default.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                n, -1, t.shape[-1])[e].reshape(-1, t.shape[-1])
+            slicers[f"{path}.lora_B.default.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                t.shape[0], -1, n)[:, :, e].reshape(t.shape[0], -1)
+        ref_params = dict(peft_ref.named_parameters())
+        with torch.no_grad():
+            for n, p in peft_ep.named_parameters():
+                if n in slicers:
+                    p.copy_(slicers[n](ref_params[n]))
+        ids = torch.randint(0, 64, (2 * world, 6), generator=torch.Generator().manual_seed(5))
+        mine = slice(2 * rank, 2 * rank + 2)
+        theirs = peft_ref(input_ids=ids, labels=ids)
+        ddp = DDP(peft_ep)  # as Trainer wraps it (held: its hooks reduce in the backward)
+        ours = ddp(input_ids=ids[mine], labels=ids[mine])
+        r["logits_rel"] = _rel(ours.logits, theirs.logits[mine])
+        theirs.loss.backward()
+        ours.loss.backward()
+        trainable = [n for n, p in peft_ep.named_parameters() if p.requires_grad]
+        r["trainable"], r["expert_adapters"] = len(trainable), len(slicers)
+
+        def worst(get, peft_ep=peft_ep, ref_params=ref_params, slicers=slicers, trainable=trainable) -> float:
+            return max(_rel(get(p), slicers.get(n, lambda t: t)(get(ref_params[n])))
+                       for n, p in peft_ep.named_parameters() if n in trainable)
+
+        r["grad_worst"] = worst(lambda p: p.grad)
+        for m in (peft_ref, peft_ep):
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5).step()
+        r["step_worst"] = worst(lambda p: p.detach())
+        del ddp
+        # the adapter, saved on every rank, is plain PEFT's; plain PEFT on the dequantised model reads it
+        saved = art / f"kept-{name}"
+        peft_ep.save_pretrained(saved, is_main_process=rank == 0)
+        import torch.distributed as dist
+
+        dist.barrier()
+        with torch.no_grad():
+            again = PeftModel.from_pretrained(plain(model_dir, dtype=torch.float32), saved)
+            r["plain_reads_adapter"] = _rel(again(input_ids=ids[mine]).logits, peft_ep(input_ids=ids[mine]).logits)
+        try:
+            peft_ep.merge_and_unload()
+            r["merge_refused"] = ""
+        except Exception as e:  # noqa: BLE001 (the message is what is checked)
+            r["merge_refused"] = str(e)
+        holder = next(m for m in kept.modules() if getattr(m, "hp_expert_parallel", None) is not None)
+        weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
+        getattr(holder, weight).requires_grad_(True)
+        try:
+            kept(input_ids=ids[mine])
+            r["training_refused"] = ""
+        except Exception as e:  # noqa: BLE001
+            r["training_refused"] = str(e)
     return out

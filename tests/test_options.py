@@ -31,6 +31,7 @@ def test_defaults_are_valid() -> None:
         "renormalize_kept": False,
         "dedup": True,
         "defer_expert_grads": False,
+        "dequant_chunk_mb": 64.0,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True

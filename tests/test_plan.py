@@ -121,6 +121,7 @@ CHANGES = [
     "runtime: {router_dtype: fp32}",
     "runtime: {timeout_s: 120}",
     "runtime: {grad_bucket_mb: 100}",
+    "runtime: {dequant_chunk_mb: 8}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

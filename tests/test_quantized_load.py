@@ -92,6 +92,19 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert r[name]["resume_mismatched"] == [] and r[name]["sharded_mismatched"] == [], (name, rank, r[name])
         saved = ranks[0][name]["saved"]
         assert saved == {"quantization_config": False, "mismatched": [], "dtype": "torch.bfloat16"}, saved
+        # dequantize=False: the experts kept as codes at EP 4 (quantized_cases.kept_case), LoRA trained on them
+        expert_codes = sum(n for k, n in file_bytes(model_dir, per_key=True).items()
+                           if ".experts." in k and not k.endswith("_bias"))
+        for rank, r in enumerate(ranks):
+            kept = r["kept"][name]
+            assert kept["kept"] == kept["expert_weights"] > 0 and kept["decoded_mismatched"] == [], (name, rank, kept)
+            assert kept["stored_share"] == expert_codes // 4, (name, rank, kept)  # the codes and scales as read
+            assert kept["expert_adapters"] > 0 and kept["trainable"] > kept["expert_adapters"], (name, kept)
+            for what in ("logits_rel", "grad_worst", "step_worst", "plain_reads_adapter"):
+                assert kept[what] <= TOL, (name, rank, what, kept)
+            assert "write into an expert weight kept quantised" in kept["merge_refused"], kept
+            assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
+        assert ranks[0]["kept"][name]["saved_mismatched"] == []  # a full save: the dequantised checkpoint
 
 
 @pytest.mark.parametrize(("config", "named"), [
@@ -106,14 +119,19 @@ def test_other_quantisations_are_refused_by_name(config, named) -> None:
         checkpoint_format(config)
 
 
-def test_keeping_quantised_and_quantising_at_load_are_refused(checkpoints, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+def test_quantising_at_load_and_keeping_what_is_read_whole_are_refused(checkpoints, tmp_path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, FineGrainedFP8Config, GptOssForCausalLM, Mxfp4Config
 
     from hp_rewrite.tiny import make_tiny
 
+    state = {}
+    for f in sorted(checkpoints["gpt_oss-mxfp4"].glob("*.safetensors")):
+        state.update(load_file(f))
     with hp_rewrite.auto_patch(DEFAULT_PLAN, artifact_dir=tmp_path), pytest.raises(
-            QuantizedCheckpointError, match=r"kept quantised \(Mxfp4Config\(dequantize=False\)\)"):
-        AutoModelForCausalLM.from_pretrained(checkpoints["gpt_oss-mxfp4"], quantization_config=Mxfp4Config())
+            QuantizedCheckpointError, match="cannot be kept quantised here: from_pretrained.state_dict"):
+        GptOssForCausalLM.from_pretrained(None, config=AutoConfig.from_pretrained(checkpoints["gpt_oss-mxfp4"]),
+                                          state_dict=state, quantization_config=Mxfp4Config(dequantize=False))
     bf16 = make_tiny("qwen3_moe", tmp_path / "plain")
     with pytest.raises(QuantizedCheckpointError, match="on an unquantised checkpoint quantises it at load"):
         hp_rewrite.from_pretrained(bf16, plan=DEFAULT_PLAN, artifact_dir=tmp_path,

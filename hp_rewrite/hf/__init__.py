@@ -49,6 +49,7 @@ __all__ = [
     "short_error",
     "size_in_bytes",
     "stored_quantization_config",
+    "transformers_keeps",
     "storage_key",
     "top_k_of",
     "transformers_logger",
@@ -427,6 +428,21 @@ def dequantizing_config(method: str):
     from transformers import FineGrainedFP8Config, Mxfp4Config
 
     return Mxfp4Config(dequantize=True) if method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
+
+
+def transformers_keeps(stored) -> bool:
+    """Whether plain ``from_pretrained`` keeps a pre-quantised MXFP4 / FP8 checkpoint quantised on this
+    machine (``stored``: its ``quantization_config``): transformers' own quantiser decides, on a copy."""
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    try:
+        config = AutoQuantizationConfig.from_dict(dict(stored) if isinstance(stored, dict) else stored.to_dict())
+        quantizer = AutoHfQuantizer.from_config(config, pre_quantized=True)
+        with quiet_transformers():
+            quantizer.validate_environment(device_map=None, weights_only=True, dtype=None)
+    except Exception:  # noqa: BLE001 (what transformers refuses, it refuses in the call itself)
+        return False
+    return not getattr(config, "dequantize", True)
 
 
 def original_format(model, tensors: dict) -> dict:

@@ -25,6 +25,7 @@ from .checkpoint_files import (
     Reader,
     index_regex,
 )
+from .kept import kept_expert
 
 __all__ = ["Filler"]
 
@@ -48,18 +49,25 @@ class Filler:
     shape)`` with every expert counted, and left unfilled for transformers to initialise."""
 
     def __init__(self, model: nn.Module, reader: Reader, experts: dict[str, ExpertSlice], dtypes: Callable,
-                 device: torch.device | None = None, ignore_mismatched_sizes: bool | None = None) -> None:
+                 device: torch.device | None = None, ignore_mismatched_sizes: bool | None = None,
+                 keep_quantized: bool = False) -> None:
         self.model, self.reader, self.experts, self.dtype_for = model, reader, experts, dtypes
+        self.keep_quantized = keep_quantized  # expert weights as codes and scales (:mod:`.kept`)
         self.device, self.ignore_mismatched_sizes = device, ignore_mismatched_sizes
         self.mismatched: set[tuple[str, torch.Size, torch.Size]] = set()
         self.meta = model.state_dict(keep_vars=True)
-        self.paths = {"tensor": 0, "merged_experts": 0, "transformers_converter": 0}  # units filled, by path
+        self.paths = {"tensor": 0, "merged_experts": 0, "transformers_converter": 0, "kept_quantized": 0}
 
     def empty(self, name: str) -> torch.Tensor:
         return torch.empty(self.meta[name].shape, dtype=self.dtype_for(name), device=self.device)
 
     def fill(self, unit: LoadUnit) -> dict[str, torch.Tensor]:
         """The unit's tensors by name; a mismatched one (recorded) is left out."""
+        if self.keep_quantized and unit.targets[0] in self.experts:
+            kept = kept_expert(self, unit, unit.targets[0], self.experts[unit.targets[0]])
+            if kept is not None:
+                self.paths["kept_quantized"] += 1
+                return {unit.targets[0]: kept}
         if unit.key is not None:
             self.paths["tensor"] += 1
             return _present({unit.targets[0]: self._plain(unit.targets[0], unit.key)})

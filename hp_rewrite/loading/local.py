@@ -46,6 +46,7 @@ from torch import nn
 
 from ..hf import core_model_loading, load_config, meta_model, model_conversion_mapping, quiet_transformers
 from ..runtime import ExpertParallelGroup
+from ..runtime.quantized import QuantizedWeight
 from .checkpoint_files import (
     CHUNK_BYTES,
     CheckpointKeyError,
@@ -100,7 +101,8 @@ def _set(
     module: nn.Module, attr: str, old: torch.Tensor, value: torch.Tensor, is_param: bool
 ) -> torch.Tensor:
     if is_param:
-        value = nn.Parameter(value, requires_grad=old.requires_grad and value.is_floating_point())
+        trainable = value.is_floating_point() and not isinstance(value, QuantizedWeight)  # kept codes: frozen
+        value = nn.Parameter(value, requires_grad=old.requires_grad and trainable)
         module._parameters[attr] = value
     else:
         module._buffers[attr] = value
@@ -295,11 +297,12 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
 
 def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGroup, artifact_dir,
                   dtype: torch.dtype, transforms: list, device: torch.device | None = None,
-                  ignore_mismatched_sizes: bool | None = None) -> PreparedLoad:
+                  ignore_mismatched_sizes: bool | None = None, keep_quantized: bool = False) -> PreparedLoad:
     """On a model built on the meta device: find or write the artifact (rank 0 first), install the plan,
     map the checkpoint's keys with ``transforms`` (transformers' renamings and converters): everything
     before a tensor is read. ``device``: where the tensors are allocated (the CPU by default);
-    ``ignore_mismatched_sizes``: ``from_pretrained``'s (None outside it, see :class:`Filler`)."""
+    ``ignore_mismatched_sizes``: ``from_pretrained``'s (None outside it, see :class:`Filler`);
+    ``keep_quantized``: the routed experts as the checkpoint's codes and scales (:mod:`.kept`)."""
     from ..match import generate
     from . import install
 
@@ -315,7 +318,8 @@ def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGrou
     experts = expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
     units, unexpected = map_keys(model, reader, transforms)
-    filler = Filler(model, reader, experts, _dtype_rule(model, dtype), device, ignore_mismatched_sizes)
+    filler = Filler(model, reader, experts, _dtype_rule(model, dtype), device, ignore_mismatched_sizes,
+                    keep_quantized)
     return PreparedLoad(model, reader, filler, units, unexpected, transforms, experts, patched, ep, timings, t_start)
 
 
@@ -366,7 +370,7 @@ def _bytes(model: nn.Module, experts: dict[str, ExpertSlice]) -> tuple[int, int]
         if id(t) in seen:
             continue
         seen.add(id(t))
-        size = t.numel() * t.element_size()
+        size = t.stored_bytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
         if name in experts:
             expert += size
         else:

@@ -148,7 +148,8 @@ def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: 
     return layout
 
 
-def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None):
+def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None,
+                    keep_quantized: bool = False):
     """``call()`` (a transformers ``from_pretrained``) with only this rank's experts read, its result
     rewritten (see :mod:`hp_rewrite.loading.pretrained`)."""
     from .pretrained import load_rewritten
@@ -159,6 +160,7 @@ def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: De
         call, plan, ep, out,
         rewrite=lambda model: rewrite_model(model, plan, ep=ep, artifact_dir=out),
         attach=lambda model, loading: attach(model, RewriteInfo(plan, ep, out, loading.patched, loading.report())),
+        keep_quantized=keep_quantized,
     )
 
 
@@ -223,9 +225,9 @@ class AutoPatch:
             from .pretrained import dequantize_at_load
 
             name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-            kwargs = dequantize_at_load(name, kwargs)
+            kwargs, keep = dequantize_at_load(name, kwargs)
             return load_pretrained(lambda: original_fn(cls, *args, **kwargs), patch.plan, patch.artifact_dir,
-                                   patch.mesh)
+                                   patch.mesh, keep)
 
         from_pretrained.__doc__ = original_fn.__doc__
         from_pretrained.hp_auto_patch = self
@@ -270,6 +272,6 @@ def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan
     from .pretrained import dequantize_at_load
 
     plan = resolve_plan(plan)
-    kwargs = dequantize_at_load(model_dir, kwargs)
+    kwargs, keep = dequantize_at_load(model_dir, kwargs)
     cls = pretrained_class_for(model_dir, **kwargs)
-    return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh)
+    return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh, keep)

@@ -35,6 +35,7 @@ from ..hf import (
     loading_info,
     pretrained_model_class,
     stored_quantization_config,
+    transformers_keeps,
     without_quantizer_transforms,
 )
 from ..runtime import ExpertParallelError, ExpertParallelGroup
@@ -46,8 +47,10 @@ class LocalExpertsLoad:
     """transformers' ``_load_pretrained_model`` for one ``from_pretrained`` call (its first use only:
     an adapter loaded afterwards goes through transformers' own)."""
 
-    def __init__(self, plan, ep: ExpertParallelGroup, artifact_dir: Path, original: Callable) -> None:
+    def __init__(self, plan, ep: ExpertParallelGroup, artifact_dir: Path, original: Callable,
+                 keep_quantized: bool = False) -> None:
         self.plan, self.ep, self.artifact_dir, self.original = plan, ep, artifact_dir, original
+        self.keep_quantized = keep_quantized  # the routed experts as codes and scales (:mod:`.kept`)
         self.loading = None  # the PreparedLoad, once the weights were read here
         self.whole_model: str | None = None  # why transformers read the whole model instead
         self.used = False
@@ -59,6 +62,11 @@ class LocalExpertsLoad:
         device = _single_device(load_config)
         self.whole_model = _why_whole_model(state_dict, checkpoint_files, load_config)
         if self.whole_model is not None:
+            if self.keep_quantized:
+                raise QuantizedCheckpointError(
+                    f"the experts cannot be kept quantised here: {self.whole_model}, so transformers would read "
+                    "and dequantise the whole model; load a safetensors checkpoint from its directory, or pass "
+                    "dequantize=True")
             return self.original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         from .local import prepare_model
 
@@ -69,7 +77,8 @@ class LocalExpertsLoad:
             reader = DequantizingReader(reader, dequantized_format(quantizer))
             transforms = without_quantizer_transforms(model, transforms, quantizer)
         loading = prepare_model(model, reader, self.plan, self.ep, self.artifact_dir, load_config.dtype,
-                                transforms, device, bool(load_config.ignore_mismatched_sizes))
+                                transforms, device, bool(load_config.ignore_mismatched_sizes),
+                                keep_quantized=self.keep_quantized and quantizer is not None)
         loading.fill()
         self.loading = loading
         # mismatched tensors stay on meta: transformers materialises, initialises and reports them
@@ -107,28 +116,32 @@ def _why_whole_model(state_dict, checkpoint_files, load_config) -> str | None:
     return None
 
 
-def dequantize_at_load(name_or_path, kwargs: dict) -> dict:
-    """``from_pretrained``'s ``kwargs`` for an expert-parallel load: an MXFP4 / block-FP8 checkpoint is
-    dequantised at load (``dequantize=True``, what transformers does on a CPU), so that each rank reads
-    and dequantises its own experts; every other quantisation is refused before anything is read."""
+def dequantize_at_load(name_or_path, kwargs: dict) -> tuple[dict, bool]:
+    """``from_pretrained``'s ``kwargs`` for an expert-parallel load, and whether the experts stay quantised.
+
+    transformers is always asked for ``dequantize=True`` (the plain model's modules, each rank reading and
+    dequantising its own experts). The routed experts are kept as the checkpoint's codes and scales
+    (:mod:`.kept`) where the user asked to keep them (``Mxfp4Config(dequantize=False)``,
+    ``FineGrainedFP8Config(dequantize=False)``) or, with no config passed, where transformers itself would
+    keep the checkpoint quantised on this machine. Every other quantisation is refused before anything is read."""
     passed = kwargs.get("quantization_config")
     stored = stored_quantization_config(name_or_path, kwargs)
     if passed is not None:
         if isinstance(passed, dict):
             raise QuantizedCheckpointError(
                 "from_pretrained(quantization_config={...}): pass transformers' config object "
-                "(Mxfp4Config(dequantize=True) / FineGrainedFP8Config(dequantize=True)) or none"
+                "(Mxfp4Config(dequantize=...) / FineGrainedFP8Config(dequantize=...)) or none"
             )
         if stored is None:
             raise _quantising_at_load(passed)
         fmt = checkpoint_format(passed, "from_pretrained(quantization_config=...)")
-        if not getattr(passed, "dequantize", False):  # refused wherever it runs (a CPU would dequantise anyway)
-            raise _kept_quantised(fmt, passed)
-        return kwargs
+        if getattr(passed, "dequantize", False):
+            return kwargs, False
+        return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}, True
     fmt = checkpoint_format(stored, str(name_or_path))
     if fmt is None:
-        return kwargs
-    return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}
+        return kwargs, False
+    return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}, transformers_keeps(stored)
 
 
 def dequantized_format(quantizer):
@@ -138,8 +151,10 @@ def dequantized_format(quantizer):
     if not quantizer.pre_quantized:
         raise _quantising_at_load(qc)
     fmt = checkpoint_format(qc, "the quantization_config")
-    if not getattr(qc, "dequantize", False):
-        raise _kept_quantised(fmt, qc)
+    if not getattr(qc, "dequantize", False):  # dequantize_at_load asked for it: a call that bypassed it
+        raise QuantizedCheckpointError(
+            f"{fmt.describe()} with {type(qc).__name__}(dequantize=False) reached the loader without "
+            "hp-rewrite's from_pretrained: load through hp_rewrite.from_pretrained or auto_patch")
     return fmt
 
 
@@ -150,16 +165,8 @@ def _quantising_at_load(qc) -> QuantizedCheckpointError:
     )
 
 
-def _kept_quantised(fmt, qc) -> QuantizedCheckpointError:
-    return QuantizedCheckpointError(
-        f"{fmt.describe()} kept quantised ({type(qc).__name__}(dequantize=False)): the expert-parallel "
-        f"experts run as bf16/fp32 grouped GEMMs; pass {type(qc).__name__}(dequantize=True), or no "
-        "quantization_config (hp-rewrite then dequantises each rank's experts at load)"
-    )
-
-
 def load_rewritten(call: Callable[[], object], plan, ep: ExpertParallelGroup, artifact_dir: Path,
-                   rewrite: Callable, attach: Callable):
+                   rewrite: Callable, attach: Callable, keep_quantized: bool = False):
     """Run ``call`` (a ``from_pretrained``) with :class:`LocalExpertsLoad` in place, and return its result
     with the model rewritten: installed and read by rank while loading, or (the whole-model case, with a
     warning) rewritten after by ``rewrite(model)``. ``attach(model, loading)`` marks a model loaded here.
@@ -168,7 +175,7 @@ def load_rewritten(call: Callable[[], object], plan, ep: ExpertParallelGroup, ar
     original = owner.__dict__["_load_pretrained_model"]
     if isinstance(original.__func__, LocalExpertsLoad):
         return call()
-    hook = LocalExpertsLoad(plan, ep, artifact_dir, original.__func__)
+    hook = LocalExpertsLoad(plan, ep, artifact_dir, original.__func__, keep_quantized)
     owner._load_pretrained_model = staticmethod(hook)
     try:
         result = call()

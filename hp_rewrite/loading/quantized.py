@@ -271,7 +271,8 @@ class DequantizingReader(Reader):
         else:
             self._copy_mxfp4(pair, out, start, stop)
 
-    def _slice(self, key: str, index) -> torch.Tensor:
+    def read_raw(self, key: str, index) -> torch.Tensor:
+        """Part ``index`` of a stored tensor as the file holds it (codes, scales), counted as read."""
         info = self.raw[key]
         with self._open(info.file, framework="pt") as f:
             value = f.get_slice(key)[index]
@@ -285,8 +286,8 @@ class DequantizingReader(Reader):
         a = start
         while a < stop:
             b = min(stop, a // block * block + step)
-            weight = self._slice(pair.codes, slice(a, b))
-            scale = self._slice(pair.scales, slice(a // block, (b - 1) // block + 1))
+            weight = self.read_raw(pair.codes, slice(a, b))
+            scale = self.read_raw(pair.scales, slice(a // block, (b - 1) // block + 1))
             out[a - start : b - start].copy_(dequantize_fp8(weight, scale, self.format.block, a))
             a = b
 
@@ -296,6 +297,6 @@ class DequantizingReader(Reader):
         for e in range(start, stop):
             for a in range(0, rows, step):
                 b = min(rows, a + step)
-                blocks = self._slice(pair.codes, (slice(e, e + 1), slice(a, b)))[0]
-                scales = self._slice(pair.scales, (slice(e, e + 1), slice(a, b)))[0]
+                blocks = self.read_raw(pair.codes, (slice(e, e + 1), slice(a, b)))[0]
+                scales = self.read_raw(pair.scales, (slice(e, e + 1), slice(a, b)))[0]
                 out[e - start, :, a:b].copy_(dequantize_mxfp4(blocks, scales).T)

@@ -120,6 +120,7 @@ class RuntimeSection(_Section):
     router_dtype: RouterDtype = "auto"
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     grad_bucket_mb: float = Field(25.0, gt=0, allow_inf_nan=False)
+    dequant_chunk_mb: float = Field(64.0, gt=0, allow_inf_nan=False)
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
@@ -134,6 +135,7 @@ class RuntimeSection(_Section):
             renormalize_kept=self.renormalize_kept,
             dedup=self.dedup,
             defer_expert_grads=self.defer_expert_grads,
+            dequant_chunk_mb=self.dequant_chunk_mb,
         )
 
 

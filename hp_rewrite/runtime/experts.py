@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels import KernelChoice, KernelProblem, npu, torch_grouped
-from . import expert_modules, grouped_op
+from . import expert_modules, grouped_op, quantized
 from .batch import LocalBatch, pad_empty_groups
 from .deferred import DeferredGroupedMM, grouped_grad_sink, refuse_hooked
 from .errors import ExpertParallelError
@@ -358,6 +358,8 @@ def _project(
     name: str,
 ) -> torch.Tensor:
     """``x_e @ W_e (+ b_e)`` for every local expert e over its rows."""
+    if isinstance(weight, quantized.QuantizedProjection):  # experts kept as codes and scales
+        return _project_quantized(batch, x, weight, bias, kind, row_experts)
     if isinstance(weight, StackedParams):  # experts held as modules
         if kind == "grouped" and not torch.compiler.is_compiling() and not torch_grouped.needs_alignment(
                 x, weight.params[0] if transposed else weight.params[0].t()):
@@ -385,6 +387,17 @@ def _project(
     if bias is not None:
         out = out + bias.index_select(0, row_experts)
     return out
+
+
+def _project_quantized(batch, x, weight, bias, kind, row_experts) -> torch.Tensor:
+    kind = "grouped" if kind == "grouped" else "eager"  # decoded chunks: grouped_mm, else one matmul per expert
+
+    def low_rank(rows: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
+        return _project(batch, rows, w_in_out, None, True, kind, None, weight.name)
+
+    out = quantized.quantized_project(weight, x, batch.counts, batch.offsets if kind == "grouped" else None,
+                                      _grouped_mm if kind == "grouped" else None, low_rank)
+    return out if bias is None else out + bias.index_select(0, row_experts)
 
 
 def _problem(x: torch.Tensor, groups: int, dims: tuple[int, ...], weight_dtype: torch.dtype) -> KernelProblem:
@@ -483,7 +496,8 @@ def local_experts_forward(
         up = up[: batch.num_groups]
     has_bias = layout.up_bias or layout.down_bias or layout.gate_bias
     owner = type(module).__name__  # names a weight in errors
-    if kind == "npu" and layout.kind == "fused" and not has_bias:  # the whole MLP as one autograd function
+    kept = any(isinstance(w, quantized.QuantizedProjection) for w in weights.values())  # experts as codes
+    if kind == "npu" and layout.kind == "fused" and not has_bias and not kept:  # the MLP as one autograd function
         down = weights[layout.down]
         w_up = up if layout.transposed else up.transpose(1, 2)
         w_down = down if layout.transposed else down.transpose(1, 2)
@@ -526,6 +540,12 @@ def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str):
     (:class:`~.stacked.StackedParams`), their biases (small) stacked."""
     if layout.modules and name in (layout.gate, layout.up, layout.down):
         return StackedParams([layout.param(module, f"{k}.{name}") for k in layout.held])
+    if not (layout.flat or layout.split):
+        options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
+        kept = quantized.projection_of(module, name, type(module).__name__,
+                                       options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES)
+        if kept is not None:
+            return kept
     return layout.weight(module, name)
 
 

@@ -42,6 +42,8 @@ class RuntimeOptions:
         so uneven routing costs less. Expert weight gradients then land in ``.grad`` at the end of
         ``backward()`` without autograd hooks: refused for hooked or FSDP-sharded expert weights.
         Grouped or npu compute with ``ep > 1`` and ``overlap`` only; elsewhere it does nothing.
+    dequant_chunk_mb: experts kept quantised (MXFP4 / block FP8, :mod:`.quantized`) are decoded for
+        their GEMMs this many MiB of fp32 values at a time (at least one expert), forward and backward.
     """
 
     compute: ComputeKind = "auto"
@@ -52,6 +54,11 @@ class RuntimeOptions:
     renormalize_kept: bool = False
     dedup: bool = True
     defer_expert_grads: bool = False
+    dequant_chunk_mb: float = 64.0
+
+    @property
+    def dequant_chunk_bytes(self) -> int:
+        return max(1, int(self.dequant_chunk_mb * 2**20))
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_KINDS:
@@ -70,6 +77,8 @@ class RuntimeOptions:
             raise ExpertParallelError(f"dedup={self.dedup!r}: must be true or false")
         if not isinstance(self.defer_expert_grads, bool):
             raise ExpertParallelError(f"defer_expert_grads={self.defer_expert_grads!r}: must be true or false")
+        if not self.dequant_chunk_mb > 0:
+            raise ExpertParallelError(f"dequant_chunk_mb={self.dequant_chunk_mb!r}: must be > 0")
 
     def as_dict(self) -> dict:
         """Plain dict, stable key order (used in artifact hashes)."""

@@ -1,0 +1,265 @@
+"""Frozen experts kept in the format the Hub ships them (MXFP4 codes, block-FP8 weights with scales).
+
+A :class:`QuantizedWeight` is the experts' parameter as transformers' dequantised model has it (same
+name, shape and dtype, so that PEFT's ``target_parameters`` wrap it and ``named_parameters`` lists it),
+but it holds only this rank's codes and scales. The local experts read it through
+:func:`projection_of`: each GEMM decodes a bounded chunk of experts (``runtime.dequant_chunk_mb``),
+multiplies that chunk's rows, and drops the decoded weights; the backward decodes them again for dX.
+It has no weight gradient: training it is refused. LoRA on it (PEFT's ``ParamWrapper``, which adds
+``scaling * lhs @ rhs`` to the parameter while its forward runs) is applied unmerged, from the factors
+PEFT holds: ``x @ W + scaling * (x @ lhs) @ rhs`` per expert, so no dense copy of the experts exists.
+
+Every other use of the tensor (printing it, an op on it) sees the dense values, decoded on the spot;
+writing into it (``merge_and_unload``, an optimizer step) is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..kernels.dequant import decode_fp8, decode_mxfp4
+from .errors import ExpertParallelError
+
+__all__ = ["QuantizedProjection", "QuantizedWeight", "projection_of", "quantized_project", "stored_param"]
+
+_aten = torch.ops.aten
+CHUNK_BYTES = 64 * 2**20  # runtime.dequant_chunk_mb's default
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """What a :class:`QuantizedWeight` stores, as the checkpoint stores it.
+
+    method: ``mxfp4`` (``codes`` uint8 ``[E, out, in/32, 16]``, ``scales`` uint8 ``[E, out, in/32]``) or
+        ``fp8`` (``codes`` float8_e4m3fn ``[E, out, in]``, ``scales`` ``[E, ceil(out/b0), ceil(in/b1)]``).
+    in_first: the dense parameter is ``[E, in, out]`` (gpt-oss) rather than ``[E, out, in]``.
+    """
+
+    method: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    in_first: bool
+    block: tuple[int, int] | None = None
+    lazy: tuple = ()  # (lhs, rhs, alpha) terms PEFT's registration check added; see __torch_dispatch__
+
+    def map(self, fn) -> _Codes:
+        return replace(self, codes=fn(self.codes), scales=fn(self.scales))
+
+
+class QuantizedWeight(torch.Tensor):
+    """A frozen ``[E, ., .]`` expert weight kept as codes and scales (module doc)."""
+
+    @staticmethod
+    def __new__(cls, stored: _Codes, shape: torch.Size, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=stored.codes.device,
+                                                   requires_grad=False)
+
+    def __init__(self, stored: _Codes, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.stored = stored
+
+    @classmethod
+    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+        """gpt-oss's ``P_blocks`` / ``P_scales`` (``[E, out, in/32, 16]``, ``[E, out, in/32]``), the in-first ``P``."""
+        experts, out, groups, _ = blocks.shape
+        return cls(_Codes("mxfp4", blocks, scales, True), torch.Size((experts, groups * 32, out)), dtype)
+
+    @classmethod
+    def fp8(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+            dtype: torch.dtype) -> QuantizedWeight:
+        """Block-FP8 ``[E, out, in]`` weights with their ``[E, out/b0, in/b1]`` scales, the out-first parameter."""
+        return cls(_Codes("fp8", weight, scale_inv, False, tuple(block)), weight.shape, dtype)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.stored.codes, self.stored.scales))
+
+    def decode(self, first: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Experts ``first..stop-1`` as the dense parameter has them, in ``dtype`` (default: its own)."""
+        s = self.stored
+        if s.method == "mxfp4":
+            values = decode_mxfp4(s.codes[first:stop], s.scales[first:stop]).transpose(1, 2)
+        else:
+            values = decode_fp8(s.codes[first:stop], s.scales[first:stop], s.block)
+        values = values.to(self.dtype)  # the one rounding transformers' dequantised parameter has
+        for lhs, rhs, alpha in s.lazy:
+            values = torch.baddbmm(values, lhs[first:stop], rhs[first:stop], alpha=alpha)
+        return values if dtype is None else values.to(dtype)
+
+    def dense(self) -> torch.Tensor:
+        return self.decode(0, self.shape[0])
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"QuantizedWeight({self.stored.method}, shape={list(self.shape)}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], (self.stored, self.shape, self.dtype)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self.stored.codes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.stored.scales
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        stored, shape, dtype = meta
+        return QuantizedWeight(replace(stored, codes=inner["codes"], scales=inner["scales"]), shape, dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], QuantizedWeight) else None
+        if func in (_aten.detach.default, _aten.alias.default) and self is not None:
+            return QuantizedWeight(self.stored, self.shape, self.dtype)
+        if func is _aten._to_copy.default and self is not None and not self.stored.lazy:
+            device = kwargs.get("device") or self.device
+            dtype = kwargs.get("dtype") or self.dtype
+            if dtype.is_floating_point and dtype.itemsize >= 2:  # a move, or another compute dtype
+                return QuantizedWeight(self.stored.map(lambda t: t.to(device)), self.shape, dtype)
+        if func is _aten.baddbmm.default and self is not None and not self.stored.lazy \
+                and kwargs.get("beta", 1) == 1:
+            # PEFT's registration check evaluates W + scaling * lhs @ rhs once: kept lazy (the
+            # experts' forward reads PEFT's factors itself, see projection_of)
+            lhs, rhs = args[1], args[2]
+            alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+            return QuantizedWeight(replace(self.stored, lazy=((lhs, rhs, alpha),)), self.shape, self.dtype)
+        _refuse_writes(func, args, kwargs)
+        dense = tree_map(lambda t: t.dense() if isinstance(t, QuantizedWeight) else t, (args, kwargs))
+        return func(*dense[0], **dense[1])
+
+
+def _refuse_writes(func, args, kwargs) -> None:
+    schema = func._schema
+    for i, argument in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if isinstance(value, QuantizedWeight) and argument.alias_info is not None and argument.alias_info.is_write:
+            raise ExpertParallelError(
+                f"{schema.name} would write into an expert weight kept quantised ({value.stored.method}): "
+                "training, merging an adapter into (merge_and_unload) or editing kept-quantised experts is "
+                "refused; load the model with dequantize=True for that"
+            )
+
+
+def stored_param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """Parameter ``name`` of ``module`` as stored: under PEFT's parametrisation, its ``original``."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrizations is not None and name in parametrizations:
+        return parametrizations[name].original
+    return module._parameters.get(name)
+
+
+@dataclass
+class QuantizedProjection:
+    """A kept-quantised weight and the LoRA terms PEFT adds to it while its forward runs."""
+
+    weight: QuantizedWeight
+    terms: list[tuple[torch.Tensor, torch.Tensor, float]]  # (lhs, rhs, scaling), in the parameter's orientation
+    name: str
+    chunk_bytes: int = CHUNK_BYTES  # runtime.dequant_chunk_mb
+    dtype: torch.dtype = None  # the compute dtype (autocast's, or the weight's)
+
+    def __post_init__(self) -> None:
+        self.dtype = self.dtype or self.weight.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def to(self, dtype: torch.dtype) -> QuantizedProjection:
+        return replace(self, terms=[(a.to(dtype), b.to(dtype), s) for a, b, s in self.terms], dtype=dtype)
+
+
+def projection_of(module: torch.nn.Module, name: str, owner: str,
+                  chunk_bytes: int = CHUNK_BYTES) -> QuantizedProjection | None:
+    """The kept-quantised weight ``name`` of ``module`` with its active LoRA factors, or None when the
+    weight is an ordinary tensor."""
+    stored = stored_param(module, name)
+    if not isinstance(stored, QuantizedWeight):
+        return None
+    where = f"{owner}.{name}"
+    if stored.requires_grad:
+        raise ExpertParallelError(
+            f"{where} is kept quantised ({stored.stored.method}) and requires grad: its codes cannot be trained; "
+            "freeze it (LoRA on it trains), or load the model with dequantize=True")
+    terms = []
+    parametrizations = getattr(module, "parametrizations", None)
+    for proxy in parametrizations[name] if parametrizations is not None and name in parametrizations else ():
+        lhs, rhs, scaling = (getattr(proxy, a, None) for a in ("lhs", "rhs", "scaling"))
+        if lhs is None or rhs is None:
+            raise ExpertParallelError(
+                f"{where} is kept quantised and carries a {type(proxy).__name__}: only one LoRA adapter at a time "
+                "(PEFT's factored form) is applied to kept-quantised experts; activate one adapter, or load the "
+                "model with dequantize=True")
+        terms.append((lhs, rhs, float(scaling)))
+    return QuantizedProjection(stored, terms, where, chunk_bytes)
+
+
+class _DecodedGroupedMM(torch.autograd.Function):
+    """``x_e @ W_e`` for every local expert, W decoded a chunk of experts at a time; dX the same way
+    through ``W_e.T``; no weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, counts, offsets, chunk_bytes, gemm):
+        ctx.weight, ctx.dtype, ctx.counts, ctx.offsets, ctx.chunk_bytes, ctx.gemm, ctx.x_dtype = (
+            weight, dtype, counts, offsets, chunk_bytes, gemm, x.dtype)
+        return _chunked(x, weight, dtype, counts, offsets, chunk_bytes, gemm, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        dx = _chunked(grad.contiguous(), ctx.weight, ctx.dtype, ctx.counts, ctx.offsets, ctx.chunk_bytes,
+                      ctx.gemm, backward=True)
+        return dx.to(ctx.x_dtype), None, None, None, None, None, None
+
+
+def _chunked(x, weight: QuantizedWeight, dtype, counts: list[int], offsets: torch.Tensor | None,
+             chunk_bytes: int, gemm, backward: bool) -> torch.Tensor:
+    """Rows of every expert times its decoded weight (``W_e.T`` in the backward), decoding at most
+    ``chunk_bytes`` of weights (at least one expert) at a time. ``gemm(rows, w_in_out, offsets)`` with
+    chunk-relative device offsets; None: a matmul per expert."""
+    in_first = weight.stored.in_first
+    width = weight.shape[1] if in_first == backward else weight.shape[2]  # the output's columns
+    out = x.new_empty((x.shape[0], width), dtype=dtype)
+    per_expert = max(1, weight.shape[1] * weight.shape[2] * 4)  # the fp32 decode dominates
+    step = max(1, chunk_bytes // per_expert)
+    first_row = 0
+    for first in range(0, weight.shape[0], step):
+        stop = min(weight.shape[0], first + step)
+        rows = sum(counts[first:stop])
+        if rows == 0:
+            continue
+        w = weight.decode(first, stop, dtype)  # the parameter's orientation
+        w_in_out = w if in_first else w.transpose(1, 2)
+        w_in_out = w_in_out.transpose(1, 2) if backward else w_in_out
+        xs = x[first_row : first_row + rows].to(dtype)
+        if gemm is not None and offsets is not None:
+            base = offsets[first - 1] if first > 0 else 0
+            out[first_row : first_row + rows] = gemm(xs, w_in_out, offsets[first:stop] - base)
+        else:
+            for piece, we in zip(xs.split(counts[first:stop]), w_in_out.unbind(0), strict=True):
+                out[first_row : first_row + piece.shape[0]] = piece @ we
+                first_row += piece.shape[0]
+            continue
+        first_row += rows
+    return out
+
+
+def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts: list[int],
+                      offsets: torch.Tensor | None, gemm, low_rank) -> torch.Tensor:
+    """``x_e @ (W_e + sum of LoRA terms)`` over the local experts' rows (module doc). ``low_rank(x, w_in_out)``
+    multiplies rows by a small stacked ``[E, ., .]`` weight (the experts' own GEMM), with autograd."""
+    weight = projection.weight
+    out = _DecodedGroupedMM.apply(x, weight, projection.dtype, counts, offsets, projection.chunk_bytes, gemm)
+    for lhs, rhs, scaling in projection.terms:
+        if weight.stored.in_first:  # [E, in, out] + s * lhs [E, in, r] @ rhs [E, r, out]
+            first, second = lhs, rhs
+        else:  # [E, out, in]: x @ (s * lhs @ rhs).T = s * (x @ rhs.T) @ lhs.T
+            first, second = rhs.transpose(1, 2), lhs.transpose(1, 2)
+        out = out + scaling * low_rank(low_rank(x.to(first.dtype), first), second)
+    return out
