@@ -266,6 +266,11 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             r["merge_refused"] = ""
         except Exception as e:  # noqa: BLE001 (the message is what is checked)
             r["merge_refused"] = str(e)
+        try:
+            hp_rewrite.fully_shard(peft_ep)
+            r["fsdp_refused"] = ""
+        except Exception as e:  # noqa: BLE001
+            r["fsdp_refused"] = str(e)
         holder = next(m for m in kept.modules() if getattr(m, "hp_expert_parallel", None) is not None)
         weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
         getattr(holder, weight).requires_grad_(True)

@@ -392,8 +392,9 @@ def _project(
 def _project_quantized(batch, x, weight, bias, kind, row_experts) -> torch.Tensor:
     kind = "grouped" if kind == "grouped" else "eager"  # decoded chunks: grouped_mm, else one matmul per expert
 
-    def low_rank(rows: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:
-        return _project(batch, rows, w_in_out, None, True, kind, None, weight.name)
+    def low_rank(rows: torch.Tensor, w_in_out: torch.Tensor) -> torch.Tensor:  # the LoRA factors' products
+        unaligned = torch.compiler.is_compiling() and torch_grouped.needs_alignment(rows, w_in_out)
+        return _project(batch, rows, w_in_out, None, True, "eager" if unaligned else kind, None, weight.name)
 
     out = quantized.quantized_project(weight, x, batch.counts, batch.offsets if kind == "grouped" else None,
                                       _grouped_mm if kind == "grouped" else None, low_rank)

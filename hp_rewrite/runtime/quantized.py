@@ -94,9 +94,6 @@ class QuantizedWeight(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"QuantizedWeight({self.stored.method}, shape={list(self.shape)}, dtype={self.dtype})"
 
-    def __tensor_flatten__(self):
-        return ["codes", "scales"], (self.stored, self.shape, self.dtype)
-
     @property
     def codes(self) -> torch.Tensor:
         return self.stored.codes
@@ -105,17 +102,14 @@ class QuantizedWeight(torch.Tensor):
     def scales(self) -> torch.Tensor:
         return self.stored.scales
 
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        stored, shape, dtype = meta
-        return QuantizedWeight(replace(stored, codes=inner["codes"], scales=inner["scales"]), shape, dtype)
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self = args[0] if args and isinstance(args[0], QuantizedWeight) else None
         if func in (_aten.detach.default, _aten.alias.default) and self is not None:
             return QuantizedWeight(self.stored, self.shape, self.dtype)
+        if func is _aten.set_.source_Tensor and self is not None and args[1] is self:
+            return self  # parametrize re-registers the parameter onto itself (PEFT's ParamWrapper, every forward)
         if func is _aten._to_copy.default and self is not None and not self.stored.lazy:
             device = kwargs.get("device") or self.device
             dtype = kwargs.get("dtype") or self.dtype
@@ -261,5 +255,6 @@ def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts: 
             first, second = lhs, rhs
         else:  # [E, out, in]: x @ (s * lhs @ rhs).T = s * (x @ rhs.T) @ lhs.T
             first, second = rhs.transpose(1, 2), lhs.transpose(1, 2)
+        first, second = first.contiguous(), second.contiguous()  # small [E, ., r] factors
         out = out + scaling * low_rank(low_rank(x.to(first.dtype), first), second)
     return out

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_modules
 from ..runtime.groups import EP_DIM, backend_name, check_mesh
+from ..runtime.quantized import QuantizedWeight
 from . import info_of, rewritten_model
 
 
@@ -76,6 +77,12 @@ def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -
         raise ExpertParallelError(
             f"{what}: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
             "runtime.defer_expert_grads: false in the plan to train with FSDP2"
+        )
+    kept = [type(h).__name__ for h in holders if any(isinstance(p, QuantizedWeight) for p in h.parameters())]
+    if kept:
+        raise ExpertParallelError(
+            f"{what}: {kept[0]} keeps its experts quantised (dequantize=False); sharding them with FSDP2 is not "
+            "supported. Train adapters on kept experts with DDP (docs/training.md), or load with dequantize=True"
         )
     if any(getattr(m, "hp_expert_parallel", None) is None for _, m in rank_local_modules(inner)):
         raise ExpertParallelError(
