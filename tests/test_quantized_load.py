@@ -158,6 +158,39 @@ def test_cost_counts_the_stored_bytes_each_rank_reads(name, checkpoints, capsys)
         assert load["per_rank_bytes"] == total - experts + experts // ep
 
 
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_cost_of_lora_on_kept_experts(name, checkpoints, tmp_path, capsys) -> None:
+    """`cost --lora R --keep-quantized`: each rank's frozen experts cost exactly the stored bytes of its
+    share of the files (what kept_case measures resident), its adapters 16 bytes a parameter (fp32
+    weight, gradient, AdamW moments); what cannot be costed is refused with the fix."""
+    import json
+
+    from hp_rewrite.cli import main
+
+    plan = str(Path(__file__).resolve().parent.parent / "plans" / "auto-ep2.yaml")
+    sizes = file_bytes(checkpoints[name], per_key=True)
+    experts = sum(n for k, n in sizes.items() if ".experts." in k)
+    capsys.readouterr()
+    args = ["cost", plan, str(checkpoints[name]), "--seq-len", "8", "--micro-batch", "1", "--ep", "2"]
+    assert main([*args, "--lora", "4", "--keep-quantized", "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["cost"]["layers"]
+    held = sum(lay["memory"]["expert_params"] - lay["memory"]["expert_grads"] for lay in layers)
+    assert held == experts / 2
+    assert all(lay["memory"]["expert_optimizer"] == 2 * lay["memory"]["expert_grads"] > 0 for lay in layers)
+    assert main([*args, "--lora", "4"]) == 0  # dequantised: the experts in bf16
+    assert "frozen expert weights + LoRA r=4 states" in capsys.readouterr().out
+    assert main([*args, "--keep-quantized"]) == 2
+    assert "cost the adapters trained on them with --lora R" in "".join(capsys.readouterr())
+    assert main([*args, "--lora", "4", "--world-size", "4", "--suggest", "--non-expert", "fully_shard"]) == 2
+    assert "use --non-expert replicate" in "".join(capsys.readouterr())
+    from hp_rewrite.tiny import make_tiny
+
+    plain_dir = make_tiny("qwen3_moe", tmp_path / "plain")
+    assert main(["cost", plan, str(plain_dir), "--seq-len", "8", "--micro-batch", "1", "--lora", "4",
+                 "--keep-quantized"]) == 2
+    assert "is not an MXFP4 or block-FP8 checkpoint" in "".join(capsys.readouterr())
+
+
 def test_key_mapping_and_a_refused_checkpoint_through_from_pretrained(checkpoints, tmp_path) -> None:
     """The user's key_mapping still applies once the quantiser's conversions give way to the model's;
     a bitsandbytes checkpoint is refused before transformers (or bitsandbytes) sees it."""

@@ -105,6 +105,12 @@ def register(sub) -> None:
         default=None,
         help="with --calibrate: where to write the JSON (default ./hp-rewrite-hardware.json)",
     )
+    co.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="cost LoRA fine-tuning: a frozen base, adapters of rank R on the routed experts "
+                    "(PEFT target_parameters; fp32 adapters, gradients and AdamW)")
+    co.add_argument("--keep-quantized", action="store_true",
+                    help="with --lora: the experts held as the checkpoint's MXFP4 / FP8 codes and scales "
+                    "(from_pretrained(..., quantization_config=...(dequantize=False)))")
     co.add_argument("--trust-remote-code", action="store_true",
                     help="build the checkpoint's own modeling code (its config.json auto_map), as transformers' "
                     "trust_remote_code=True; read that code first")
@@ -149,9 +155,12 @@ def cost(args: CostArgs, request) -> int:
     console.print(f"archetypes: {', '.join(confirmed)}" + "".join(f"; {n}" for n in spec.notes))
     load = report.load
     what = f"{load.format} checkpoint, dequantised to {load.dequantized_to}" if load.dequantized_to else load.format
+    if request.keep_quantized:
+        what = f"{load.format} checkpoint, the experts kept as stored, the rest dequantised to {load.dequantized_to}"
     console.print(f"load: each rank reads {load.per_rank / 1e9:.3g} GB of the {load.total / 1e9:.3g} GB checkpoint "
                   f"({what}; experts {load.expert_bytes / 1e9:.3g} GB over ep {load.ep})", highlight=False)
-    for line in memory_lines(result, hw, report.reserve_bytes) + [time_line(report.time, hw)]:
+    for line in memory_lines(result, hw, report.reserve_bytes, request.keep_quantized and load.format) + [
+            time_line(report.time, hw)]:
         console.print(line, highlight=False)
     if report.candidates:
         console.print(suggest_table(report.candidates, request.world_size, hw))

@@ -71,6 +71,12 @@ class Precision:
     grad: int = 2
     optimizer: int = 8
     master: int = 4
+    lora_rank: int = 0  # > 0: a frozen base, LoRA of this rank on the routed experts (fp32 adapters, AdamW)
+    expert_weight: float | None = None  # bytes per routed-expert value as held (kept MXFP4 / FP8); None: param
+
+    @property
+    def expert_weight_bytes(self) -> float:
+        return self.param if self.expert_weight is None else self.expert_weight
 
     @classmethod
     def of(cls, dtype_bytes: int) -> Precision:
@@ -300,6 +306,12 @@ def _activations(lay: MoELayerSpec, tokens: float, rows: float, act: int) -> flo
     return elems * act + tokens * (lay.num_experts + lay.zero_experts) * 4
 
 
+def lora_params(mlp, rank: int) -> float:
+    """LoRA parameters on one expert's fused weights (PEFT ``target_parameters``): ``rank * (in + out)``
+    for the first projection (gate and up) and for down: ``rank * (2 h + n_ff * i)``."""
+    return rank * (2 * mlp.hidden + mlp.n_ff * mlp.intermediate)
+
+
 def _memory(
     lay: MoELayerSpec, par: Parallel, prec: Precision, local: int, tokens: float, rows: float
 ) -> LayerMemory:
@@ -310,6 +322,12 @@ def _memory(
         + (lay.hidden + 1 if lay.shared_gate else 0)
         + lay.zero_params  # the zero experts' unused rows, on every rank
     )
+    if prec.lora_rank:  # frozen base: its weights only; fp32 adapter, gradient and AdamW moments
+        w = lay.routed  # kept quantised: the matmul weights as stored, biases in the model's dtype
+        held = local * (w.matmul_params * prec.expert_weight_bytes + (w.params - w.matmul_params) * prec.param)
+        adapters = local * lora_params(w, prec.lora_rank) / par.t_exp
+        return LayerMemory(held / par.t_exp + adapters * 4, adapters * 4, adapters * 8,
+                           replicated * prec.param, 0.0, 0.0, _activations(lay, tokens, rows, prec.act))
     return LayerMemory(
         expert * prec.param,
         expert * prec.grad,

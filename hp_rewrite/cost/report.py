@@ -115,15 +115,18 @@ def cost_table(cost: ModelCost, specs: dict) -> Table:
     return table
 
 
-def memory_lines(cost: ModelCost, hw: Hardware, reserve: float) -> list[str]:
+def memory_lines(cost: ModelCost, hw: Hardware, reserve: float, kept: str | None = None) -> list[str]:
     m = [c.memory for c in cost.layers]
     experts = sum(x.expert_params + x.expert_grads + x.expert_optimizer for x in m)
     repl = sum(x.replicated_params + x.replicated_grads + x.replicated_optimizer for x in m)
     act = sum(x.activations for x in m)
     cap = hw.memory_bytes - reserve
     verdict = "fits" if cost.memory <= cap else "DOES NOT FIT"
+    rank = cost.precision.lora_rank
+    states = "expert weights+grads+Adam" if not rank else (
+        f"frozen expert weights ({kept} kept)" if kept else "frozen expert weights") + f" + LoRA r={rank} states"
     return [
-        f"memory per rank (MoE layers): expert weights+grads+Adam {_gb(experts)} GB, replicated router/shared "
+        f"memory per rank (MoE layers): {states} {_gb(experts)} GB, replicated router/shared "
         f"{_gb(repl)} GB, activations {_gb(act)} GB -> {_gb(cost.memory)} GB of {_gb(cap)} GB on {hw.name}: {verdict}",
         f"not costed: {cost.other_params / 1e9:.3g} G parameters outside the costed MoE layers (attention, embeddings, "
         "dense MLPs), replicated on every EP rank; keep room with --reserve-gb",

@@ -9,7 +9,7 @@ CLI renders the results.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -40,6 +40,8 @@ class CostRequest:
     reserve_gb: float = 0.0
     non_expert: str | None = None  # replicate | fully_shard: cost the whole model's data parallelism
     trust_remote_code: bool = False  # build a remote-code model (its config.json auto_map)
+    lora: int = 0  # > 0: a frozen base with LoRA of this rank on the routed experts
+    keep_quantized: bool = False  # the routed experts held as the checkpoint's MXFP4 / FP8 codes (with --lora)
 
 
 @dataclass
@@ -122,7 +124,8 @@ def estimate_cost(req: CostRequest) -> CostReport:
     from .load import load_bytes
 
     config = load_config(req.model_dir, req.trust_remote_code)
-    checkpoint_format(getattr(config, "quantization_config", None), str(req.model_dir))  # readable, or refused
+    fmt = checkpoint_format(getattr(config, "quantization_config", None), str(req.model_dir))  # readable, or refused
+    kept = _kept_bytes(fmt, req)
     model = meta_model(config)
     spec = model_spec(model, config, plan)
     if not spec.layers:
@@ -142,6 +145,8 @@ def estimate_cost(req: CostRequest) -> CostReport:
     hw = load_hardware_for(req.hardware, req.hardware_file)
     dtype_bytes = _DTYPES[req.dtype] if req.dtype else (spec.dtype_bytes or 2)
     prec, knobs, work = Precision.of(dtype_bytes), Knobs.from_plan(plan), Workload(req.seq_len, req.micro_batch)
+    if req.lora:
+        prec = replace(prec, lora_rank=req.lora, expert_weight=kept)
     try:
         hist = Histograms.from_json(req.tokens_per_expert) if req.tokens_per_expert else None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -149,6 +154,9 @@ def estimate_cost(req: CostRequest) -> CostReport:
     result = estimate(spec, par, work, prec, knobs, hist)
     reserve = req.reserve_gb * 1e9
     cands = []
+    if req.lora and req.non_expert == "fully_shard":
+        raise UserError("--lora with --non-expert fully_shard: FSDP2 over PEFT adapters on the experts is refused "
+                        "(docs/training.md); use --non-expert replicate")
     if req.non_expert is not None and not req.suggest:
         raise UserError("--non-expert replicate|fully_shard goes with --suggest --world-size W")
     if req.suggest:
@@ -160,6 +168,21 @@ def estimate_cost(req: CostRequest) -> CostReport:
             raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))}) divides both the world "
                             f"size {req.world_size} and the experts")
     return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep))
+
+
+def _kept_bytes(fmt, req: CostRequest) -> float | None:
+    """Bytes per routed-expert value held with ``--keep-quantized`` (None without it)."""
+    if req.lora < 0:
+        raise UserError(f"--lora {req.lora}: the LoRA rank must be positive")
+    if not req.keep_quantized:
+        return None
+    if fmt is None:
+        raise UserError(f"--keep-quantized: {req.model_dir} is not an MXFP4 or block-FP8 checkpoint")
+    if not req.lora:
+        raise UserError("--keep-quantized: kept experts are frozen; cost the adapters trained on them with --lora R")
+    if fmt.method == "mxfp4":
+        return 0.5 + 1 / 32  # two E2M1 codes a byte, a scale byte per 32 values
+    return 1 + 4 / (fmt.block[0] * fmt.block[1])  # a byte a value, an fp32 scale per block
 
 
 def read_token_file(path: Path) -> list[list[int]]:

@@ -65,6 +65,8 @@ def data_parallel_cost(cost: ModelCost, world: int, mode: str, hw: Hardware,
     tp = cost.parallel.tp
     dense = world // tp  # the ranks holding the same TP shard of a dense weight
     per_param = prec.state_bytes
+    if prec.lora_rank:
+        return _lora_cost(cost, world, mode, hw, prec)
     expert_params = sum(c.memory.expert_params for c in cost.layers) / prec.param  # this EP rank's
     # with tp the dense weights are split over the TP group (embeddings and norms counted as split too:
     # an upper bound on what tp saves); the routers' and shared experts' are already this rank's share
@@ -82,3 +84,19 @@ def data_parallel_cost(cost: ModelCost, world: int, mode: str, hw: Hardware,
         other_bytes = 2 * prec.grad * other_params * (dense - 1) / dense
     seconds = _collective_time(expert_bytes, replicas, hw) + _collective_time(other_bytes, dense, hw)
     return DataParallelCost(mode, world, ep, expert_states, other_states, expert_bytes + other_bytes, seconds)
+
+
+def _lora_cost(cost: ModelCost, world: int, mode: str, hw: Hardware, prec: Precision) -> DataParallelCost:
+    """A frozen base with LoRA on the experts, replicated (FSDP2 over PEFT adapters is refused): every
+    weight held as loaded, the experts' adapters' gradients all-reduced over their replicas."""
+    if mode != "replicate":
+        raise ValueError("LoRA (--lora) is costed replicated only: FSDP2 with PEFT adapters on the experts is "
+                         "refused; use --non-expert replicate")
+    ep, tp = cost.parallel.ep, cost.parallel.tp
+    replicas = world // ep
+    expert_states = sum(c.memory.expert_params + c.memory.expert_grads + c.memory.expert_optimizer
+                        for c in cost.layers)
+    other_states = cost.other_params / tp * prec.param + sum(c.memory.replicated_params for c in cost.layers)
+    adapter_grads = sum(c.memory.expert_grads for c in cost.layers)  # fp32
+    comm = 2 * adapter_grads * (replicas - 1) / replicas
+    return DataParallelCost(mode, world, ep, expert_states, other_states, comm, _collective_time(comm, replicas, hw))

@@ -433,8 +433,11 @@ def dequantizing_config(method: str):
 def transformers_keeps(stored) -> bool:
     """Whether plain ``from_pretrained`` keeps a pre-quantised MXFP4 / FP8 checkpoint quantised on this
     machine (``stored``: its ``quantization_config``): transformers' own quantiser decides, on a copy."""
+    import torch
     from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
 
+    if quant_method(stored) == "mxfp4" and not (torch.cuda.is_available() or torch.xpu.is_available()):
+        return False  # on a CPU transformers dequantises MXFP4 unless use_kernels (before its weight loading)
     try:
         config = AutoQuantizationConfig.from_dict(dict(stored) if isinstance(stored, dict) else stored.to_dict())
         quantizer = AutoHfQuantizer.from_config(config, pre_quantized=True)
