@@ -312,6 +312,71 @@ def case_sft_lora_experts(model_dir, out):
     return result
 
 
+def case_sft_gpt_oss_mxfp4_kept(model_dir, out):
+    """The published gpt-oss LoRA recipe (TRL's SFTTrainer, Mxfp4Config, LoRA on every Linear and on
+    chosen layers' experts through target_parameters, SFTConfig's activation checkpointing, a cosine
+    schedule) unchanged under auto_patch, with the experts kept as MXFP4 (``dequantize=False``), at EP 2,
+    against the same recipe on the unmodified model loaded with ``dequantize=True`` and the same
+    adapters (fp32; Adam's epsilon raised from 1e-8 to damp what its first steps do to rounding-level
+    gradient differences of PEFT's zero-initialised B: still ~1e-5 after two steps, kept or dequantised
+    alike); save_model writes the adapter plain PEFT reads."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from trl import SFTConfig, SFTTrainer
+
+    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from tests.fsdp_engine_script import _tokenizer
+    from tests.quantized_cases import make_checkpoint
+
+    checkpoint = out / "gpt_oss-mxfp4"
+    if dist.get_rank() == 0 and not checkpoint.is_dir():
+        make_checkpoint("gpt_oss-mxfp4", checkpoint)
+    dist.barrier()
+    world = dist.get_world_size()
+    kwargs = dict(attn_implementation="eager", dtype=torch.float32, use_cache=False, device_map="auto")
+    with hp_rewrite.auto_patch(ROOT / "plans" / "auto-ep2.yaml", artifact_dir=out / "art"):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=False),
+                                                     **kwargs)
+    kept = sum(isinstance(p, QuantizedWeight) for p in model.parameters())
+    layers = range(model.config.num_hidden_layers)
+    config = dict(r=8, lora_alpha=16, target_modules="all-linear",
+                  target_parameters=[f"{i}.mlp.experts.{w}" for i in layers for w in ("gate_up_proj", "down_proj")])
+    torch.manual_seed(3)  # the replicated adapters alike on every rank
+    model = get_peft_model(model, LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=True), **kwargs)
+    ref = get_peft_model(ref, LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2 * 2)
+    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
+    results = []
+    for name, m in (("ep", model), ("ref", ref)):
+        args = SFTConfig(output_dir=str(out / "sft_oss" / name), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
+                         report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=2,
+                         gradient_accumulation_steps=2, learning_rate=2e-4, warmup_steps=0.03, adam_epsilon=1e-4,
+                         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True)
+        trainer = SFTTrainer(model=m, args=args, train_dataset=data, processing_class=_tokenizer(m.config.vocab_size))
+        if name == "ep":
+            hp_rewrite.prepare_trainer(trainer)
+        trainer.train()
+        results.append(trainer)
+    ep, reference = results
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "kept": kept,
+              "checkpointing": ep.args.gradient_checkpointing, "wrapped": type(ep.model_wrapped).__name__,
+              "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
+              "ref_losses": [h["loss"] for h in reference.state.log_history if "loss" in h]}
+    ep.save_model(str(out / "sft_oss" / "final"))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:
+        plain = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=True),
+                                                     **kwargs)
+        got = _lora_state(PeftModel.from_pretrained(plain, out / "sft_oss" / "final"))
+        result["reload_final"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return result
+
+
 def case_accelerate(model_dir, out):
     """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps."""
     from accelerate import Accelerator

@@ -155,7 +155,7 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
-                "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only"]
+                "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept"]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +214,19 @@ def test_sft_trainer_with_lora_on_the_experts_equals_unmodified(engine_results: 
         assert r["checkpointing"] and r["aux_loss"], r
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
     assert engine_results["sft_lora_experts"][0]["reload_final"] == 0.0, engine_results["sft_lora_experts"][0]
+
+
+def test_gpt_oss_recipe_on_kept_mxfp4_experts_equals_the_dequantised_model(engine_results: dict) -> None:
+    """TRL's gpt-oss LoRA recipe under auto_patch, experts kept as MXFP4 at EP 2 (engine_script's
+    sft_gpt_oss_mxfp4_kept): the same losses as the recipe on the unmodified dequantised model, the
+    adapters within 1e-4 after two AdamW steps from PEFT's zero B (1e-5 is what the dequantised EP model
+    reaches too: Adam's first steps divide rounding-level differences by the gradients' own size), the
+    saved adapter read by plain PEFT bit for bit."""
+    for r in engine_results["sft_gpt_oss_mxfp4_kept"]:
+        assert r["kept"] == 4 and r["checkpointing"] and r["wrapped"] == "DistributedDataParallel", r
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
+        assert r["worst"] <= 1e-4, r
+    assert engine_results["sft_gpt_oss_mxfp4_kept"][0]["reload_final"] == 0.0
 
 
 def test_ddp_around_expert_adapters_only_is_refused_and_accelerate_leaves_it_out(engine_results: dict) -> None:

@@ -17,6 +17,8 @@
     (``set_sync_debug_mode``), single-token decode (empty expert groups, a rank receiving nothing), and
     on an accelerator one Qwen3-30B-A3B-shaped layer's local experts at EP=2 against transformers'
     grouped_mm.
+(d) Local experts kept as MXFP4 / block-FP8 codes (:mod:`tools.device_kept`) against the same values
+    held in bf16: differences, time, peak memory, host syncs.
 
 Prints a table and writes JSON (``--out``, default ``bench-results/device_check.json``)::
 
@@ -268,12 +270,28 @@ def _run(a: argparse.Namespace, device: str) -> int:
         console.print(f"EP=2 layer local experts vs transformers grouped_mm: {ep2['rank0']['layer_speed']}")
     ep2_passed = all(c["passed"] for cases in ep2.values() for n, c in cases.items() if n != "layer_speed")
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.device_kept import kept_experts
+
+    kept = kept_experts(size, device, max(2, iters // 2), sync)
+    table = Table(title=f"(d) local experts kept as MXFP4 / block FP8 vs their decoded bf16 values, frozen, {name}")
+    for col in ("format", "out max rel", "dX max rel", "kept / dense time", "weight MB kept / dense",
+                "peak MB kept / dense", "host syncs (kept, EP=1)"):
+        table.add_column(col)
+    for method, r in kept.items():
+        peak = r["peak_bytes"]
+        table.add_row(method, f"{r['out_max_rel']:.1e}", f"{r['dx_max_rel']:.1e}", f"{r['kept_over_dense_time']:.2f}x",
+                      f"{r['weight_bytes']['kept'] / 2**20:.1f} / {r['weight_bytes']['dense'] / 2**20:.1f}",
+                      f"{peak['kept'] / 2**20:.0f} / {peak['dense'] / 2**20:.0f}" if peak else "-",
+                      str(r.get("host_syncs", "-")))
+    console.print(table)
+
     report = {"command": " ".join(["python", "tools/device_check.py", *a.argv]),
               "device": device, "device_name": name, "size": size_name, "sizes": size, "dtype": dt,
               "iters": iters, "torch": torch.__version__, "transformers": transformers.__version__,
               "load_average_1_5_15min": os.getloadavg(), "parity": checks, "flops_step": flops,
-              "bench": results, "kernels": kernels, "ep2_one_device": ep2,
-              "passed": all(c["passed"] for c in checks) and ep2_passed}
+              "bench": results, "kernels": kernels, "ep2_one_device": ep2, "kept": kept,
+              "passed": all(c["passed"] for c in checks) and ep2_passed and all(r["passed"] for r in kept.values())}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {a.out}")

@@ -61,10 +61,13 @@ class QuantizedWeight(torch.Tensor):
         self.stored = stored
 
     @classmethod
-    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
-        """gpt-oss's ``P_blocks`` / ``P_scales`` (``[E, out, in/32, 16]``, ``[E, out, in/32]``), the in-first ``P``."""
+    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+              in_first: bool = True) -> QuantizedWeight:
+        """``P_blocks`` / ``P_scales`` (``[E, out, in/32, 16]``, ``[E, out, in/32]``) standing for the in-first
+        ``P`` ``[E, in, out]`` (gpt-oss), or with ``in_first=False`` for an out-first ``[E, out, in]`` one."""
         experts, out, groups, _ = blocks.shape
-        return cls(_Codes("mxfp4", blocks, scales, True), torch.Size((experts, groups * 32, out)), dtype)
+        shape = (experts, groups * 32, out) if in_first else (experts, out, groups * 32)
+        return cls(_Codes("mxfp4", blocks, scales, in_first), torch.Size(shape), dtype)
 
     @classmethod
     def fp8(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -80,7 +83,8 @@ class QuantizedWeight(torch.Tensor):
         """Experts ``first..stop-1`` as the dense parameter has them, in ``dtype`` (default: its own)."""
         s = self.stored
         if s.method == "mxfp4":
-            values = decode_mxfp4(s.codes[first:stop], s.scales[first:stop]).transpose(1, 2)
+            values = decode_mxfp4(s.codes[first:stop], s.scales[first:stop])  # [n, out, in]
+            values = values.transpose(1, 2) if s.in_first else values
         else:
             values = decode_fp8(s.codes[first:stop], s.scales[first:stop], s.block)
         values = values.to(self.dtype)  # the one rounding transformers' dequantised parameter has

@@ -1,0 +1,101 @@
+"""Section (d) of ``tools/device_check.py``: local experts kept as MXFP4 / block-FP8 codes on the device.
+
+For each format, a Qwen3-MoE experts holder (the size of (b)) gets random weights, quantised in the
+format (block FP8: 128x128 blocks, 16x16 at the small size); the kept holder holds the codes
+(:class:`hp_rewrite.runtime.quantized.QuantizedWeight`), the dense one their decoded bf16 values,
+frozen. Both run ``moe_forward`` at EP=1 forward and backward (dX only: frozen weights). Reported: the
+largest difference of the output and of dX relative to the dense holder's (the same values in a
+different GEMM grouping: chunks of ``runtime.dequant_chunk_mb``), the median time of each and their
+ratio, the peak ``max_memory_allocated`` of each (CUDA; weights included), the resident weight bytes
+of each, and on CUDA the host synchronisations of one kept forward + backward
+(``set_sync_debug_mode``: the kept path reads the split sizes once per GEMM chunk at EP=1, where the
+bf16 path reads none).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+
+def _holders(size: dict, device: str, method: str):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from hp_rewrite.loading.quantized import quantize_fp8, quantize_mxfp4
+    from hp_rewrite.runtime.quantized import QuantizedWeight
+
+    H, inter, E = size["hidden"], size["intermediate"], size["experts"]
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E)
+    block = (128, 128) if H >= 1024 else (16, 16)
+    kept, dense = Qwen3MoeExperts(cfg), Qwen3MoeExperts(cfg)
+    gen = torch.Generator().manual_seed(0)
+    for name in ("gate_up_proj", "down_proj"):
+        w = torch.randn(getattr(kept, name).shape, generator=gen) * 0.02  # [E, out, in]
+        if method == "mxfp4":  # blocks along in, as gpt-oss stores them; this holder is out-first
+            q = QuantizedWeight.mxfp4(*quantize_mxfp4(w), torch.bfloat16, in_first=False)
+        else:
+            codes, scales = zip(*[quantize_fp8(w[e], block) for e in range(E)], strict=True)
+            q = QuantizedWeight.fp8(torch.stack(codes), torch.stack(scales), block, torch.bfloat16)
+        values = q.dense()
+        setattr(kept, name, nn.Parameter(q.to(device), requires_grad=False))
+        setattr(dense, name, nn.Parameter(values.contiguous().to(device), requires_grad=False))
+    return kept, dense
+
+
+def kept_experts(size: dict, device: str, iters: int, sync) -> dict:
+    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, moe_forward
+
+    T, E, K, H = size["tokens"], size["experts"], size["top_k"], size["hidden"]
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(T, H, generator=gen) * 0.5).to(device=device, dtype=torch.bfloat16)
+    top_w, indices = torch.randn(T, E, generator=gen).softmax(-1).topk(K, dim=-1)
+    top_w, indices = top_w.to(device=device, dtype=torch.bfloat16), indices.to(device)
+    grad_out = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
+    opts = RuntimeOptions(compute="auto")
+    out = {}
+    for method in ("mxfp4", "fp8"):
+        kept, dense = _holders(size, device, method)
+        results, times, peaks = {}, {"kept": [], "dense": []}, {}
+        for name, holder in (("kept", kept), ("dense", dense)):
+            def step(holder=holder):
+                hidden = x.detach().requires_grad_()
+                y = moe_forward(hidden, indices, top_w, holder, num_experts=E, ep=ExpertParallelGroup.single(),
+                                options=opts)
+                y.backward(grad_out)
+                return y.detach(), hidden.grad
+
+            results[name] = step()
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                peaks[name] = torch.cuda.max_memory_allocated()
+            for _ in range(iters):
+                sync(device)
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                times[name].append(time.perf_counter() - t0)
+        rel = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+               for a, b in zip(results["kept"], results["dense"], strict=True)]
+        med = {n: statistics.median(ts) for n, ts in times.items()}
+        held = {"kept": sum(p.stored_bytes for p in kept.parameters()),
+                "dense": sum(p.numel() * p.element_size() for p in dense.parameters())}
+        row = {"out_max_rel": rel[0], "dx_max_rel": rel[1], "median_s": med, "kept_over_dense_time":
+               med["kept"] / med["dense"], "weight_bytes": held, "peak_bytes": peaks or None,
+               "passed": max(rel) <= 2e-2}
+        if device == "cuda":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    step(kept)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            row["host_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        out[method] = row
+    return out
