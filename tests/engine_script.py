@@ -179,22 +179,30 @@ def _own_expert_adapters(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-def case_trainer_lora_experts(model_dir, out, attention: bool = False):
+def case_trainer_lora_experts(model_dir, out, attention: bool = False, kept_fp8: bool = False):
     """LoRA on the experts only (PEFT target_parameters: no parameter for DDP to manage), three AdamW
     steps with gradient accumulation 2 and clipping, a checkpoint after each; save_model; a second
     Trainer resumes from checkpoint-1 and ends where the first did; plain PEFT reads what was saved.
-    ``attention``: LoRA on attention too (Trainer builds DDP around the model)."""
+    ``attention``: LoRA on attention too (Trainer builds DDP around the model). ``kept_fp8``: a DeepSeek-V3
+    block-FP8 checkpoint loaded under auto_patch with ``FineGrainedFP8Config(dequantize=False)`` (experts
+    kept as codes), LoRA on every Linear and the experts, against the unmodified model loaded with
+    ``dequantize=True``."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     world, steps, accum = dist.get_world_size(), 3, 2
     config = dict(r=2, lora_alpha=4, init_lora_weights=False,
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    load_ep, load_ref = _ep_model, _reference
     if attention:
         config["target_modules"] = ["q_proj", "v_proj"]
     out = out / ("lora_attention" if attention else "lora_experts")
-    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    if kept_fp8:
+        config["target_modules"] = "all-linear"
+        out = out.parent / "lora_fp8_kept"
+        model_dir, load_ep, load_ref = _fp8_checkpoint(out.parent), _kept_fp8_model, _dequantised_fp8
+    ref = get_peft_model(load_ref(model_dir), LoraConfig(**config))
     torch.manual_seed(5)  # replicated adapters (attention) alike on every rank, as DDP makes them
-    model = get_peft_model(_ep_model(model_dir, out.parent / "art"), LoraConfig(**config))
+    model = get_peft_model(load_ep(model_dir, out.parent / "art"), LoraConfig(**config))
     _own_expert_adapters(model)
     ref.load_state_dict(_lora_state(model), strict=False)  # the same adapters, full shape
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
@@ -211,12 +219,12 @@ def case_trainer_lora_experts(model_dir, out, attention: bool = False):
     want = _lora_state(model)
     if dist.get_rank() == 0:  # plain transformers + PEFT read the adapter the run wrote
         for folder in ("final", "checkpoint-3"):
-            got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / folder))
+            got = _lora_state(PeftModel.from_pretrained(load_ref(model_dir), out / folder))
             result[f"reload_{folder}"] = max((got[k] - want[k]).abs().max().item() for k in want)
         result["files"] = sorted(os.listdir(out / "checkpoint-1"))
     dist.barrier()
     torch.manual_seed(99)
-    resumed_model = get_peft_model(_ep_model(model_dir, out.parent / "art"), LoraConfig(**config))
+    resumed_model = get_peft_model(load_ep(model_dir, out.parent / "art"), LoraConfig(**config))
     resumed = _trainer(resumed_model, samples, out, **common)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     result["resume_worst"] = _lora_worst(resumed_model, model)
@@ -225,6 +233,36 @@ def case_trainer_lora_experts(model_dir, out, attention: bool = False):
 
 def case_trainer_lora_attention_experts(model_dir, out):
     return case_trainer_lora_experts(model_dir, out, attention=True)
+
+
+def _fp8_checkpoint(out: Path) -> Path:
+    """A tiny DeepSeek-V3 in the Hub's block-FP8 layout (rank 0 writes it once)."""
+    from tests.quantized_cases import make_checkpoint
+
+    checkpoint = out / "deepseek_v3-fp8"
+    if dist.get_rank() == 0 and not checkpoint.is_dir():
+        make_checkpoint("deepseek_v3-fp8", checkpoint)
+    dist.barrier()
+    return checkpoint
+
+
+def _kept_fp8_model(model_dir, art: Path):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    with hp_rewrite.auto_patch(ROOT / "plans" / "auto-ep2.yaml", artifact_dir=art):
+        return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
+                                                    quantization_config=FineGrainedFP8Config(dequantize=False))
+
+
+def _dequantised_fp8(model_dir):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
+                                                quantization_config=FineGrainedFP8Config(dequantize=True)).train()
+
+
+def case_trainer_lora_fp8_kept(model_dir, out):
+    return case_trainer_lora_experts(model_dir, out, kept_fp8=True)
 
 
 def case_accelerate_lora_experts(model_dir, out):

@@ -267,6 +267,11 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
         except Exception as e:  # noqa: BLE001 (the message is what is checked)
             r["merge_refused"] = str(e)
         try:
+            hp_rewrite.save_checkpoint(kept, None, art / f"kept-dcp-{name}")
+            r["dcp_refused"] = ""
+        except Exception as e:  # noqa: BLE001
+            r["dcp_refused"] = str(e)
+        try:
             hp_rewrite.fully_shard(peft_ep)
             r["fsdp_refused"] = ""
         except Exception as e:  # noqa: BLE001

@@ -155,7 +155,8 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
-                "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept"]
+                "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
+                "trainer_lora_fp8_kept"]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def engine_results(tiny_dir: Path, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case", ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                                   "trainer_lora_experts", "trainer_lora_attention_experts", "accelerate_lora_experts",
-                                  "sft_lora_experts", "trainer_experts_only"])
+                                  "sft_lora_experts", "trainer_experts_only", "trainer_lora_fp8_kept"])
 def test_trainer_and_accelerate_equal_unmodified(case: str, engine_results: dict) -> None:
     for rank, r in enumerate(engine_results[case]):
         assert r["worst"] <= TOL, (rank, r["worst_name"], r["worst"])
@@ -193,17 +194,19 @@ def test_trainer_checkpoints_reload_and_resume(engine_results: dict) -> None:
     assert r0["resume_worst"] == 0.0 and r1["resume_worst"] == 0.0, (r0, r1)
 
 
-@pytest.mark.parametrize("case", ["trainer_lora_experts", "trainer_lora_attention_experts"])
+@pytest.mark.parametrize("case", ["trainer_lora_experts", "trainer_lora_attention_experts", "trainer_lora_fp8_kept"])
 def test_trainer_checkpoints_and_resumes_expert_adapters(case: str, engine_results: dict) -> None:
     """LoRA on the experts through Trainer: checkpoints hold the adapter as plain PEFT writes it (read
     back by plain PEFT bit for bit) and each rank's adapter optimizer state; resuming ends where the
-    uninterrupted run ended. Experts only: no DDP (nothing for it to manage), the guard reduces."""
+    uninterrupted run ended. Experts only: no DDP (nothing for it to manage), the guard reduces.
+    ``trainer_lora_fp8_kept``: a DeepSeek-V3 block-FP8 checkpoint under auto_patch with the experts kept
+    as FP8 codes, LoRA on every Linear and the experts, against the dequantised unmodified model."""
     r0, r1 = engine_results[case]
     assert r0["reload_final"] == 0.0 and r0["reload_checkpoint-3"] == 0.0, r0
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "hp_rewrite_expert_optimizer-rank0-of-2.pt",
             "hp_rewrite_expert_optimizer-rank1-of-2.pt"} <= set(r0["files"]), r0["files"]
     assert r0["resume_worst"] == 0.0 and r1["resume_worst"] == 0.0, (r0, r1)
-    want = "DistributedDataParallel" if case == "trainer_lora_attention_experts" else "PeftModel"
+    want = "PeftModel" if case == "trainer_lora_experts" else "DistributedDataParallel"
     assert r0["wrapped"] == r1["wrapped"] == want, (r0, r1)
 
 

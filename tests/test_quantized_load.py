@@ -105,6 +105,7 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert "write into an expert weight kept quantised" in kept["merge_refused"], kept
             assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
             assert "keeps its experts quantised (dequantize=False)" in kept["fsdp_refused"], kept
+            assert "keeps its experts quantised (dequantize=False)" in kept["dcp_refused"], kept
         assert ranks[0]["kept"][name]["saved_mismatched"] == []  # a full save: the dequantised checkpoint
 
 

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..loading.save import state_dict_name
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import expert_parameters, rank_local_parameters
+from ..runtime.quantized import QuantizedWeight
 from . import info_of, rewritten_model
 
 
@@ -54,14 +55,21 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
                 "rows on every rank, which a distributed checkpoint's global view cannot express; save with "
                 "hp_rewrite.save_pretrained(model, dir) (and Trainer: hp_rewrite.prepare_trainer) instead"
             )
+        if any(isinstance(p, QuantizedWeight) for p in holder.parameters()):
+            raise ExpertParallelError(
+                f"checkpoint: {path} keeps its experts quantised (dequantize=False): they are frozen and are the "
+                "checkpoint you loaded; save what trains, the adapters, with peft_model.save_pretrained(dir) on every "
+                "rank (Trainer: hp_rewrite.prepare_trainer)"
+            )
         path = state_dict_name(path)  # DCP's state dicts drop activation checkpointing's wrapper
         for w in holder.hp_layout.weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
     if any(id(p) not in weights for p in rank_local_parameters(model)):
         raise ExpertParallelError(
-            "checkpoint: adapters on the experts (PEFT) are not saved by hp_rewrite's checkpoint; merge them "
-            "(merge_and_unload()) first"
+            "checkpoint: adapters on the experts (PEFT) are not saved by hp_rewrite's distributed checkpoint; save "
+            "the adapter as PEFT does, peft_model.save_pretrained(dir) on every rank (Trainer: "
+            "hp_rewrite.prepare_trainer checkpoints and resumes them), or merge them (merge_and_unload()) first"
         )
     return names
 
