@@ -267,8 +267,9 @@ def case_trainer_lora_fp8_kept(model_dir, out):
 
 def case_accelerate_lora_experts(model_dir, out):
     """LoRA on the experts only through accelerate: prepare leaves DDP out (nothing for it to manage),
-    accumulate(2) and clip_grad_norm_ in the user's loop, two SGD steps; a DDP the user builds
-    around such a model is refused clearly."""
+    accumulate(2) and clip_grad_norm_ in the user's loop, two SGD steps with momentum; save_state, one
+    more step, load_state puts back the adapters and the optimizer's momentum bit for bit; a DDP the
+    user builds around such a model is refused clearly."""
     from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model
     from torch.nn.parallel import DistributedDataParallel
@@ -289,20 +290,37 @@ def case_accelerate_lora_experts(model_dir, out):
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
     ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0, momentum=0.5)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     norms = []
-    for batch in ids[:, dist.get_rank()]:
+
+    def step(batch):
         with accelerator.accumulate(prepared):
             accelerator.backward(prepared(input_ids=batch, labels=batch).loss)
             if accelerator.sync_gradients:
                 norms.append(accelerator.clip_grad_norm_(prepared.parameters(), 0.5).item())
             optimizer.step()
             optimizer.zero_grad()
-    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
-                                 torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0), 0.5)
-    return {"worst": _lora_worst(model, ref), "worst_name": "lora", "norms": norms, "ref_norms": ref_norms,
-            "wrapped": type(prepared).__name__, "ddp_refused": refused}
+
+    for batch in ids[:, dist.get_rank()]:
+        step(batch)
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, torch.optim.SGD(
+        [p for p in ref.parameters() if p.requires_grad], lr=1.0, momentum=0.5), 0.5)
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "norms": list(norms), "ref_norms": ref_norms,
+              "wrapped": type(prepared).__name__, "ddp_refused": refused}
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    momentum = {n: optimizer.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()
+                if p.requires_grad}
+    accelerator.save_state(str(out / "acc_lora_state"))
+    for batch in ids[:accum, dist.get_rank()]:  # one more step moves everything
+        step(batch)
+    accelerator.load_state(str(out / "acc_lora_state"))
+    params = dict(model.named_parameters())
+    result["state_worst"] = max(max((params[n] - v).abs().max().item() for n, v in saved.items()),
+                                max((optimizer.state[params[n]]["momentum_buffer"] - v).abs().max().item()
+                                    for n, v in momentum.items()))
+    result["state_files"] = sorted(os.listdir(out / "acc_lora_state" / "hp_rewrite_adapter_0"))
+    return result
 
 
 def case_sft_lora_experts(model_dir, out):

@@ -235,6 +235,9 @@ def test_gpt_oss_recipe_on_kept_mxfp4_experts_equals_the_dequantised_model(engin
 def test_ddp_around_expert_adapters_only_is_refused_and_accelerate_leaves_it_out(engine_results: dict) -> None:
     for r in engine_results["accelerate_lora_experts"]:
         assert r["wrapped"] == "PeftModel" and "sync_gradients" in r["ddp_refused"], r
+        # save_state / load_state: the adapter as PEFT saves it, each rank's optimizer, put back exactly
+        assert r["state_worst"] == 0.0 and {"adapter_model.safetensors", "optimizer-rank0-of-2.pt",
+                                             "optimizer-rank1-of-2.pt"} <= set(r["state_files"]), r
     for r in engine_results["trainer_experts_only"]:  # the experts alone trained in full: no DDP either
         assert r["wrapped"] == "Qwen3MoeForCausalLM", r
 

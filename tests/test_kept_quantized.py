@@ -37,7 +37,7 @@ def test_device_decoders_equal_the_loaders() -> None:
     assert torch.equal(decode_fp8(codes[0][None], exponents, (8, 4))[0], dequantize_fp8(codes[0], exponents[0], (8, 4)))
 
 
-def _kept_pair(family: str) -> tuple[nn.Module, nn.Module]:
+def _kept_pair(family: str, chunk_mb: str = "0.000001") -> tuple[nn.Module, nn.Module]:
     """(the model with its expert weights replaced by their dequantised values, the EP=1 rewrite of it
     with those weights kept as codes)."""
     ref = build_tiny_model(tiny_config(family), seed=0).train()
@@ -54,8 +54,8 @@ def _kept_pair(family: str) -> tuple[nn.Module, nn.Module]:
                 with torch.no_grad():
                     getattr(module, attr).copy_(q.dense())
                 kept[f"{name}.{attr}"] = q
-    # the plan's runtime.dequant_chunk_mb at its smallest: one expert decoded at a time
-    plan = parse_plan("version: 1\nep_size: 1\nruntime:\n  dequant_chunk_mb: 0.000001\n")
+    # by default the plan's runtime.dequant_chunk_mb at its smallest: one expert decoded at a time
+    plan = parse_plan(f"version: 1\nep_size: 1\nruntime:\n  dequant_chunk_mb: {chunk_mb}\n")
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=_ART)
     for full, q in kept.items():
         holder, _, attr = full.rpartition(".")
@@ -103,6 +103,30 @@ def test_lora_on_kept_experts_equals_the_dequantised_model(family, monkeypatch) 
     assert not [s for s in saved if len(s) == 3 and tuple(sorted(s[1:])) in dims]  # no decoded weight kept
 
 
+def test_one_chunk_needs_no_host_counts_and_several_adapters_are_refused_undecoded(monkeypatch) -> None:
+    """All local experts in one chunk (the default 64 MiB here): one grouped GEMM over the device offsets,
+    no host read of the split sizes at EP 1; two adapters active at once on a kept weight (PEFT's dense
+    delta) refused by name before anything is decoded whole."""
+    from peft import LoraConfig, get_peft_model
+
+    from hp_rewrite.runtime.batch import LocalBatch
+
+    ref, model = _kept_pair("qwen3_moe", chunk_mb="64")
+    reads = []
+    real = LocalBatch.counts
+    monkeypatch.setattr(LocalBatch, "counts", property(lambda self: (reads.append(1), real.fget(self))[1]))
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9))
+    want, got = ref(input_ids=ids).logits, model(input_ids=ids).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= TOL and reads == []
+    config = dict(r=2, lora_alpha=4, init_lora_weights=False, target_parameters=["mlp.experts.gate_up_proj"])
+    peft = get_peft_model(model, LoraConfig(**config))
+    peft.add_adapter("second", LoraConfig(**config))
+    peft.base_model.set_adapter(["default", "second"])
+    monkeypatch.setattr(QuantizedWeight, "dense", lambda self: pytest.fail("a kept weight was decoded whole"))
+    with pytest.raises(ExpertParallelError, match="only one LoRA adapter at a time"):
+        peft(input_ids=ids)
+
+
 def test_kept_weight_is_a_frozen_parameter_that_refuses_writes() -> None:
     w = torch.randn(2, 64, 32)
     q = QuantizedWeight.mxfp4(*quantize_mxfp4(w.transpose(1, 2)), torch.float32)
@@ -116,6 +140,11 @@ def test_kept_weight_is_a_frozen_parameter_that_refuses_writes() -> None:
             p.add_(1.0)
     with pytest.raises(ExpertParallelError, match="kept quantised"):
         p.data.copy_(w)
+    with pytest.raises(ExpertParallelError, match="kept quantised"):  # an optimizer's foreach step
+        torch._foreach_add_([p], 1.0)
+    with pytest.raises(ExpertParallelError, match="a view of an expert weight kept quantised"):
+        p[0].zero_()  # a view could not write back
+    assert p.dense().view(-1).shape == (w.numel(),)  # the decoded values are contiguous
     assert "QuantizedWeight(mxfp4" in repr(p)
 
 
@@ -145,3 +174,28 @@ def test_kept_experts_under_bf16_autocast_and_torch_compile() -> None:
     for n, p in peft_kept.named_parameters():
         if p.requires_grad:
             assert ((p.grad - trained[n].grad).abs().max() / trained[n].grad.abs().max()).item() <= TOL, n
+
+
+def test_kept_by_default_only_where_transformers_keeps_and_said(tmp_path, monkeypatch) -> None:
+    """No quantization_config passed: the experts stay codes only where transformers itself would keep
+    the checkpoint quantised (never on this CPU), and then a warning says they load frozen and how to
+    train them; dequantize=False passed: kept, silently; dequantize=True: dequantised."""
+    import warnings
+
+    from transformers import FineGrainedFP8Config
+
+    from hp_rewrite.loading import pretrained
+    from tests.quantized_cases import make_checkpoint
+
+    checkpoint = make_checkpoint("qwen3_moe-fp8", tmp_path / "fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kwargs, keep = pretrained.dequantize_at_load(checkpoint, {})
+        assert not keep and kwargs["quantization_config"].dequantize
+        assert pretrained.dequantize_at_load(
+            checkpoint, {"quantization_config": FineGrainedFP8Config(dequantize=False)})[1]
+        assert not pretrained.dequantize_at_load(
+            checkpoint, {"quantization_config": FineGrainedFP8Config(dequantize=True)})[1]
+    monkeypatch.setattr(pretrained, "transformers_keeps", lambda stored: True)  # a GPU machine
+    with pytest.warns(UserWarning, match=r"load frozen.*FineGrainedFP8Config\(dequantize=True\)"):
+        assert pretrained.dequantize_at_load(checkpoint, {})[1]

@@ -8,8 +8,8 @@ largest difference of the output and of dX relative to the dense holder's (the s
 different GEMM grouping: chunks of ``runtime.dequant_chunk_mb``), the median time of each and their
 ratio, the peak ``max_memory_allocated`` of each (CUDA; weights included), the resident weight bytes
 of each, and on CUDA the host synchronisations of one kept forward + backward
-(``set_sync_debug_mode``: the kept path reads the split sizes once per GEMM chunk at EP=1, where the
-bf16 path reads none).
+(``set_sync_debug_mode``: at EP=1 the kept path reads the split sizes once per layer when its experts
+take several chunks, where the bf16 path reads none).
 """
 
 from __future__ import annotations

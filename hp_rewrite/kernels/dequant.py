@@ -40,6 +40,11 @@ def decode_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if scale_inv.dtype == torch.uint8:
         scales = (scales - 127.0).exp2()
     rows, cols = weight.shape[-2:]
+    values = weight.to(torch.float32)
+    if rows % block[0] == 0 and cols % block[1] == 0:  # blocks tile the weight: a broadcast, no scale copy
+        grid = values.view(*values.shape[:-2], rows // block[0], block[0], cols // block[1], block[1])
+        grid.mul_(scales.unsqueeze(-1).unsqueeze(-3))
+        return values
     per_value = scales.repeat_interleave(block[0], dim=-2)[..., :rows, :]
     per_value = per_value.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.to(torch.float32).mul_(per_value)
+    return values.mul_(per_value)

@@ -29,6 +29,8 @@ def kept_expert(filler, unit, name: str, sl) -> QuantizedWeight | None:
     dtype, want = filler.dtype_for(name), tuple(filler.meta[name].shape)
     if sl.per_row != 1:
         raise QuantizedCheckpointError(f"{name}: flat 2-D expert weights cannot be kept quantised; {_FIX}")
+    path, _, attr = name.rpartition(".")
+    in_first = filler.model.get_submodule(path).hp_layout.transposed_of(attr)  # the parameter's [E, in, out]
     if unit.key is not None:
         pair = reader.pairs.get(unit.key)
         if pair is None:
@@ -37,11 +39,14 @@ def kept_expert(filler, unit, name: str, sl) -> QuantizedWeight | None:
             raise QuantizedCheckpointError(f"{unit.key}: a stacked block-FP8 expert tensor cannot be kept; {_FIX}")
         blocks = _rows(reader, pair.codes, sl, filler.device)
         scales = _rows(reader, pair.scales, sl, filler.device)
-        out = QuantizedWeight.mxfp4(blocks, scales, dtype)
+        out = QuantizedWeight.mxfp4(blocks, scales, dtype, in_first=in_first)
     else:
         out = _fp8_experts(filler, unit, name, sl, dtype)
         if out is None:
             return None
+        if in_first:  # per-expert FP8 weights are [out, in]: an in-first parameter would be their transpose
+            raise QuantizedCheckpointError(f"{name}: the model holds it [E, in, out], its FP8 experts are stored "
+                                           f"[out, in]; {_FIX}")
     if tuple(out.shape) != want:
         raise QuantizedCheckpointError(
             f"{name}: the checkpoint's {reader.format.method} codes stand for {list(out.shape)} on this rank, the "

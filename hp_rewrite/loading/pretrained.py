@@ -141,7 +141,13 @@ def dequantize_at_load(name_or_path, kwargs: dict) -> tuple[dict, bool]:
     fmt = checkpoint_format(stored, str(name_or_path))
     if fmt is None:
         return kwargs, False
-    return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}, transformers_keeps(stored)
+    keep = transformers_keeps(stored)
+    if keep:  # as plain transformers here; say it, since it changes what trains
+        warnings.warn(
+            f"hp-rewrite: {name_or_path} is {fmt.describe()}, which transformers keeps quantised on this machine: the "
+            "routed experts stay as its codes and load frozen (LoRA on them trains); to train them in full, pass "
+            f"quantization_config={type(dequantizing_config(fmt.method)).__name__}(dequantize=True)", stacklevel=3)
+    return {**kwargs, "quantization_config": dequantizing_config(fmt.method)}, keep
 
 
 def dequantized_format(quantizer):

@@ -396,7 +396,7 @@ def _project_quantized(batch, x, weight, bias, kind, row_experts) -> torch.Tenso
         unaligned = torch.compiler.is_compiling() and torch_grouped.needs_alignment(rows, w_in_out)
         return _project(batch, rows, w_in_out, None, True, "eager" if unaligned else kind, None, weight.name)
 
-    out = quantized.quantized_project(weight, x, batch.counts, batch.offsets if kind == "grouped" else None,
+    out = quantized.quantized_project(weight, x, lambda: batch.counts, batch.offsets if kind == "grouped" else None,
                                       _grouped_mm if kind == "grouped" else None, low_rank)
     return out if bias is None else out + bias.index_select(0, row_experts)
 
@@ -545,6 +545,9 @@ def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str):
         options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
         kept = quantized.projection_of(module, name, type(module).__name__,
                                        options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES)
+        if kept is not None and kept.weight.stored.in_first != layout.transposed_of(name):
+            raise ExpertParallelError(f"{type(module).__name__}.{name}: its kept codes stand for the other "
+                                      "orientation than the holder's layout")
         if kept is not None:
             return kept
     return layout.weight(module, name)

@@ -43,7 +43,8 @@ class RuntimeOptions:
         ``backward()`` without autograd hooks: refused for hooked or FSDP-sharded expert weights.
         Grouped or npu compute with ``ep > 1`` and ``overlap`` only; elsewhere it does nothing.
     dequant_chunk_mb: experts kept quantised (MXFP4 / block FP8, :mod:`.quantized`) are decoded for
-        their GEMMs this many MiB of fp32 values at a time (at least one expert), forward and backward.
+        their GEMMs this many MiB at a time, temporaries counted (about 8 bytes a value; at least one
+        expert), forward and backward.
     """
 
     compute: ComputeKind = "auto"

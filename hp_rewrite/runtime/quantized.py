@@ -43,7 +43,7 @@ class _Codes:
     scales: torch.Tensor
     in_first: bool
     block: tuple[int, int] | None = None
-    lazy: tuple = ()  # (lhs, rhs, alpha) terms PEFT's registration check added; see __torch_dispatch__
+    lazy: tuple = ()  # what PEFT's registration check added: (lhs, rhs, alpha) or (delta,); see __torch_dispatch__
 
     def map(self, fn) -> _Codes:
         return replace(self, codes=fn(self.codes), scales=fn(self.scales))
@@ -88,12 +88,15 @@ class QuantizedWeight(torch.Tensor):
         else:
             values = decode_fp8(s.codes[first:stop], s.scales[first:stop], s.block)
         values = values.to(self.dtype)  # the one rounding transformers' dequantised parameter has
-        for lhs, rhs, alpha in s.lazy:
-            values = torch.baddbmm(values, lhs[first:stop], rhs[first:stop], alpha=alpha)
+        for term in s.lazy:
+            if len(term) == 1:
+                values = values + term[0][first:stop]
+            else:
+                values = torch.baddbmm(values, term[0][first:stop], term[1][first:stop], alpha=term[2])
         return values if dtype is None else values.to(dtype)
 
     def dense(self) -> torch.Tensor:
-        return self.decode(0, self.shape[0])
+        return self.decode(0, self.shape[0]).contiguous()
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"QuantizedWeight({self.stored.method}, shape={list(self.shape)}, dtype={self.dtype})"
@@ -119,14 +122,21 @@ class QuantizedWeight(torch.Tensor):
             dtype = kwargs.get("dtype") or self.dtype
             if dtype.is_floating_point and dtype.itemsize >= 2:  # a move, or another compute dtype
                 return QuantizedWeight(self.stored.map(lambda t: t.to(device)), self.shape, dtype)
+        # PEFT's registration check evaluates W + scaling * lhs @ rhs (W + delta with several adapters)
+        # once: kept lazy, so that nothing is decoded (the experts' forward reads PEFT's factors itself,
+        # see projection_of, and refuses a dense delta)
         if func is _aten.baddbmm.default and self is not None and not self.stored.lazy \
                 and kwargs.get("beta", 1) == 1:
-            # PEFT's registration check evaluates W + scaling * lhs @ rhs once: kept lazy (the
-            # experts' forward reads PEFT's factors itself, see projection_of)
-            lhs, rhs = args[1], args[2]
             alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-            return QuantizedWeight(replace(self.stored, lazy=((lhs, rhs, alpha),)), self.shape, self.dtype)
+            return QuantizedWeight(replace(self.stored, lazy=((args[1], args[2], alpha),)), self.shape, self.dtype)
+        if func is _aten.add.Tensor and self is not None and not self.stored.lazy and len(args) == 2 \
+                and type(args[1]) is torch.Tensor and args[1].shape == self.shape and kwargs.get("alpha", 1) == 1:
+            return QuantizedWeight(replace(self.stored, lazy=((args[1],),)), self.shape, self.dtype)
         _refuse_writes(func, args, kwargs)
+        if func.is_view and self is not None:  # a view would alias a decoded copy: a write into it would be lost
+            raise ExpertParallelError(
+                f"{func._schema.name}: a view of an expert weight kept quantised ({self.stored.method}); its values "
+                "are decoded on the fly, so a view could not write back: read them with .dense() (a copy)")
         dense = tree_map(lambda t: t.dense() if isinstance(t, QuantizedWeight) else t, (args, kwargs))
         return func(*dense[0], **dense[1])
 
@@ -135,6 +145,8 @@ def _refuse_writes(func, args, kwargs) -> None:
     schema = func._schema
     for i, argument in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(argument.name)
+        value = next((v for v in value if isinstance(v, QuantizedWeight)), None) if isinstance(value, (list, tuple)) \
+            else value  # the foreach ops of optimizers take lists
         if isinstance(value, QuantizedWeight) and argument.alias_info is not None and argument.alias_info.is_write:
             raise ExpertParallelError(
                 f"{schema.name} would write into an expert weight kept quantised ({value.stored.method}): "
@@ -216,19 +228,27 @@ class _DecodedGroupedMM(torch.autograd.Function):
         return dx.to(ctx.x_dtype), None, None, None, None, None, None
 
 
-def _chunked(x, weight: QuantizedWeight, dtype, counts: list[int], offsets: torch.Tensor | None,
+def _chunked(x, weight: QuantizedWeight, dtype, counts, offsets: torch.Tensor | None,
              chunk_bytes: int, gemm, backward: bool) -> torch.Tensor:
     """Rows of every expert times its decoded weight (``W_e.T`` in the backward), decoding at most
-    ``chunk_bytes`` of weights (at least one expert) at a time. ``gemm(rows, w_in_out, offsets)`` with
-    chunk-relative device offsets; None: a matmul per expert."""
+    ``chunk_bytes`` of fp32 values (at least one expert) at a time. ``gemm(rows, w_in_out, offsets)`` with
+    chunk-relative device offsets; None: a matmul per expert. ``counts()`` gives the rows per expert as
+    host ints: read only where the rows are cut into chunks or per expert (at EP 1 a host read)."""
     in_first = weight.stored.in_first
     width = weight.shape[1] if in_first == backward else weight.shape[2]  # the output's columns
+    experts = weight.shape[0]
+    # the decode's temporaries: the fp32 values and about as much again (MXFP4's int32 indices and
+    # gathered halves, FP8's fp32 copy of the codes), then the copy in the compute dtype
+    step = max(1, chunk_bytes // max(1, weight.shape[1] * weight.shape[2] * 8))
+    if step >= experts and gemm is not None and offsets is not None:  # one chunk: no host value needed
+        w = weight.decode(0, experts, dtype)
+        w_in_out = w if in_first else w.transpose(1, 2)
+        return gemm(x.to(dtype), w_in_out.transpose(1, 2) if backward else w_in_out, offsets)
+    counts = counts()
     out = x.new_empty((x.shape[0], width), dtype=dtype)
-    per_expert = max(1, weight.shape[1] * weight.shape[2] * 4)  # the fp32 decode dominates
-    step = max(1, chunk_bytes // per_expert)
     first_row = 0
-    for first in range(0, weight.shape[0], step):
-        stop = min(weight.shape[0], first + step)
+    for first in range(0, experts, step):
+        stop = min(experts, first + step)
         rows = sum(counts[first:stop])
         if rows == 0:
             continue
@@ -248,7 +268,7 @@ def _chunked(x, weight: QuantizedWeight, dtype, counts: list[int], offsets: torc
     return out
 
 
-def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts: list[int],
+def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts,
                       offsets: torch.Tensor | None, gemm, low_rank) -> torch.Tensor:
     """``x_e @ (W_e + sum of LoRA terms)`` over the local experts' rows (module doc). ``low_rank(x, w_in_out)``
     multiplies rows by a small stacked ``[E, ., .]`` weight (the experts' own GEMM), with autograd."""

@@ -15,8 +15,9 @@ its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` ch
   accelerate's own norm misses the other EP ranks' experts);
 * ``save_state`` / ``load_state``: the model and its optimizer as one ``torch.distributed.checkpoint``
   with global expert tensors (:mod:`hp_rewrite.training.checkpoint`), whatever ``state_dict_type``
-  says (rank 0 alone cannot hold every rank's experts' optimizer state); the rest (schedulers,
-  samplers, RNG, custom objects) by accelerate;
+  says (rank 0 alone cannot hold every rank's experts' optimizer state); a PEFT model with adapters on
+  the experts as its adapter (PEFT's files, full shapes) and each rank's optimizer state; the rest
+  (schedulers, samplers, RNG, custom objects) by accelerate;
 * ``get_state_dict`` / ``save_model``: the full model, experts gathered over the EP group.
 
 DeepSpeed, FSDP1 and tensor or context parallelism in the ``parallelism_config`` are refused.
@@ -30,8 +31,10 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..loading.adapters import has_expert_adapters
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import trains_rank_local_only
@@ -42,6 +45,9 @@ from .fsdp import clip_grad_norm_, shard_experts
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
 STATE_FOLDER = "hp_rewrite_model_{i}"
+#: a PEFT model with adapters on the experts: its adapter as PEFT saves it, and each rank's optimizer
+ADAPTER_FOLDER = "hp_rewrite_adapter_{i}"
+ADAPTER_OPTIMIZER_FILE = "optimizer-rank{rank}-of-{world}.pt"
 
 
 def _kind(accelerator) -> str:
@@ -168,6 +174,51 @@ def _latest_state(accelerator) -> str:
     return str(folders[-1])
 
 
+def _with_expert_adapters(accelerator, model: nn.Module):
+    """The PEFT model inside a prepared ``model`` when it has adapters on the experts, else None."""
+    unwrapped = accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "peft_config") and has_expert_adapters(rewritten_model(unwrapped)):
+        return unwrapped
+    return None
+
+
+def _optimizer_file(folder: Path) -> Path:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return folder / ADAPTER_OPTIMIZER_FILE.format(rank=rank, world=world)
+
+
+def save_adapter_state(peft, optimizer, folder: Path, main: bool) -> None:
+    """A PEFT model with adapters on the experts: the adapter as PEFT saves it (full shapes, every rank
+    joins the gathering save) and each rank's whole optimizer state (adapters only: small) beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    peft.save_pretrained(folder, is_main_process=main)
+    if optimizer is not None:
+        torch.save({"experts": expert_layout(peft), "state": optimizer.state_dict()}, _optimizer_file(folder))
+
+
+def load_adapter_state(peft, optimizer, folder: Path) -> None:
+    """Put back what :func:`save_adapter_state` wrote: the active adapter through PEFT's ``load_adapter``
+    (each rank keeps its experts' slices), this rank's optimizer state (same world and experts)."""
+    peft.load_adapter(folder, adapter_name=peft.active_adapter, is_trainable=True)
+    if optimizer is None:
+        return
+    path = _optimizer_file(folder)
+    if not path.is_file():
+        raise ExpertParallelError(f"load_state: {folder} has no {path.name}; load a state at the world size that "
+                                  "wrote it")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved["experts"] != expert_layout(peft):
+        raise ExpertParallelError(f"load_state: this rank held other experts when {folder} was written; load it "
+                                  "with the plan (ep_size, placement) and world size of the run that wrote it")
+    optimizer.load_state_dict(saved["state"])
+
+
+def expert_layout(model) -> list[list[int]]:
+    """Which experts this rank holds, per experts holder: a saved state resumes only onto the same."""
+    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
+            if getattr(m, "hp_expert_parallel", None) is not None]
+
+
 def leave_out_ddp(accelerator, model) -> None:
     """Every trainable parameter of ``model`` is rank-local (adapters on the experts only): DDP would
     have nothing to manage and refuses to be built, so accelerate prepares it without DDP (its
@@ -228,7 +279,11 @@ def prepare_accelerator(accelerator):
             location = save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         for (i, model), optimizer in zip(models, optimizers, strict=True):
             inner = None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
-            save_checkpoint(model, inner, Path(location) / STATE_FOLDER.format(i=i))
+            peft = _with_expert_adapters(accelerator, model)
+            if peft is not None:
+                save_adapter_state(peft, inner, Path(location) / ADAPTER_FOLDER.format(i=i), accelerator.is_main_process)
+            else:
+                save_checkpoint(model, inner, Path(location) / STATE_FOLDER.format(i=i))
         return location
 
     def load_state_ep(input_dir=None, **kwargs):
@@ -239,14 +294,18 @@ def prepare_accelerator(accelerator):
         with _hidden(accelerator, [m for _, m in models], [o for o in optimizers if o is not None]):
             load_state(input_dir, **kwargs)
         for (i, model), optimizer in zip(models, optimizers, strict=True):
-            folder = Path(input_dir) / STATE_FOLDER.format(i=i)
+            peft = _with_expert_adapters(accelerator, model)
+            folder = Path(input_dir) / (STATE_FOLDER if peft is None else ADAPTER_FOLDER).format(i=i)
             if not folder.is_dir():
                 raise ExpertParallelError(
                     f"load_state: {input_dir} has no {folder.name} (the expert-parallel model's state); load a "
                     "state written by an Accelerator passed to hp_rewrite.prepare_accelerator"
                 )
             inner = None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
-            load_checkpoint(model, inner, folder)
+            if peft is not None:
+                load_adapter_state(peft, inner, folder)
+            else:
+                load_checkpoint(model, inner, folder)
 
     def get_state_dict_ep(model, unwrap=True):
         if _is_ep_model(model):

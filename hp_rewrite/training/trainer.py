@@ -40,7 +40,7 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import rewritten_model
-from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
+from .accelerator import deepspeed_refusal, expert_layout, leave_out_ddp, refuse_unsupported
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -63,12 +63,6 @@ def _indexed(optimizer, params) -> dict[int, torch.nn.Parameter]:
     return {i: p for i, p in enumerate(flat) if id(p) in wanted}
 
 
-def _layout(model) -> list[list[int]]:
-    """Which experts this rank holds, per experts holder: a checkpoint resumes only onto the same."""
-    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
-            if getattr(m, "hp_expert_parallel", None) is not None]
-
-
 def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) -> Path:
     """Write this rank's expert-parameter optimizer state into ``directory`` (every rank calls it)."""
     rank, world = _world()
@@ -81,7 +75,7 @@ def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
     os.close(fd)
     try:
-        torch.save({"format": 1, "world": world, "experts": _layout(model), "state": state}, tmp)
+        torch.save({"format": 1, "world": world, "experts": expert_layout(model), "state": state}, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -102,7 +96,7 @@ def load_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) 
             "save_only_model checkpoints start the optimizer afresh"
         )
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved["experts"] != _layout(model):
+    if saved["experts"] != expert_layout(model):
         raise ExpertParallelError(
             f"resume from {directory}: rank {rank} held other experts when the checkpoint was written; resume "
             "with the plan (ep_size, placement) and world size of the run that wrote it"
