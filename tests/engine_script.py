@@ -323,38 +323,46 @@ def case_accelerate_lora_experts(model_dir, out):
     return result
 
 
+def _sft_both(model, ref, out: Path, **overrides):
+    """TRL's SFTTrainer for two steps (accumulation 2, fp32) on the expert-parallel model (prepared) and on
+    the unmodified one, the same samples; returns both trainers."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.fsdp_engine_script import _tokenizer
+
+    samples = _samples(model.config.vocab_size, PER_DEVICE * dist.get_world_size() * 2 * 2)
+    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
+    trainers = []
+    for name, m in (("ep", model), ("ref", ref)):
+        args = dict(output_dir=str(out / name), per_device_train_batch_size=PER_DEVICE, use_cpu=True, report_to=[],
+                    bf16=False, logging_steps=1, save_strategy="no", max_steps=2, gradient_accumulation_steps=2,
+                    adam_epsilon=1e-4, train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True,
+                    disable_tqdm=True)
+        trainer = SFTTrainer(model=m, args=SFTConfig(**args | overrides), train_dataset=data,
+                             processing_class=_tokenizer(m.config.vocab_size))
+        if name == "ep":
+            hp_rewrite.prepare_trainer(trainer)
+        trainer.train()
+        trainers.append(trainer)
+    return trainers
+
+
 def case_sft_lora_experts(model_dir, out):
     """TRL's SFTTrainer with SFTConfig's defaults (activation checkpointing, the load-balancing loss;
     fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and
     on the unmodified model with the same adapters in the same world (the load-balancing loss is per
     rank's micro-batch in both); save_model writes the adapter plain PEFT reads."""
-    from datasets import Dataset
     from peft import LoraConfig, PeftModel, get_peft_model
-    from trl import SFTConfig, SFTTrainer
 
-    from tests.fsdp_engine_script import _tokenizer
 
-    world = dist.get_world_size()
     config = dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     torch.manual_seed(3)
     model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))  # PEFT's init: B = 0
     _own_expert_adapters(model)
     ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
     ref.load_state_dict(_lora_state(model), strict=False)
-    samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2 * 2)
-    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
-    results = []
-    for name, m in (("ep", model), ("ref", ref)):
-        args = SFTConfig(output_dir=str(out / "sft" / name), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
-                         report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=2,
-                         gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=1e-3, adam_epsilon=1e-4,
-                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True)
-        trainer = SFTTrainer(model=m, args=args, train_dataset=data, processing_class=_tokenizer(m.config.vocab_size))
-        if name == "ep":
-            hp_rewrite.prepare_trainer(trainer)
-        trainer.train()
-        results.append(trainer)
-    ep, reference = results
+    ep, reference = _sft_both(model, ref, out / "sft", max_grad_norm=0.5, learning_rate=1e-3)
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "checkpointing": ep.args.gradient_checkpointing,
               "aux_loss": ep.aux_loss_enabled, "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
               "ref_losses": [h["loss"] for h in reference.state.log_history if "loss" in h],
@@ -376,20 +384,16 @@ def case_sft_gpt_oss_mxfp4_kept(model_dir, out):
     adapters (fp32; Adam's epsilon raised from 1e-8 to damp what its first steps do to rounding-level
     gradient differences of PEFT's zero-initialised B: still ~1e-5 after two steps, kept or dequantised
     alike); save_model writes the adapter plain PEFT reads."""
-    from datasets import Dataset
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, Mxfp4Config
-    from trl import SFTConfig, SFTTrainer
 
     from hp_rewrite.runtime.quantized import QuantizedWeight
-    from tests.fsdp_engine_script import _tokenizer
     from tests.quantized_cases import make_checkpoint
 
     checkpoint = out / "gpt_oss-mxfp4"
     if dist.get_rank() == 0 and not checkpoint.is_dir():
         make_checkpoint("gpt_oss-mxfp4", checkpoint)
     dist.barrier()
-    world = dist.get_world_size()
     kwargs = dict(attn_implementation="eager", dtype=torch.float32, use_cache=False, device_map="auto")
     with hp_rewrite.auto_patch(ROOT / "plans" / "auto-ep2.yaml", artifact_dir=out / "art"):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=False),
@@ -404,21 +408,8 @@ def case_sft_gpt_oss_mxfp4_kept(model_dir, out):
     ref = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=Mxfp4Config(dequantize=True), **kwargs)
     ref = get_peft_model(ref, LoraConfig(**config))
     ref.load_state_dict(_lora_state(model), strict=False)
-    samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2 * 2)
-    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
-    results = []
-    for name, m in (("ep", model), ("ref", ref)):
-        args = SFTConfig(output_dir=str(out / "sft_oss" / name), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
-                         report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=2,
-                         gradient_accumulation_steps=2, learning_rate=2e-4, warmup_steps=0.03, adam_epsilon=1e-4,
-                         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True)
-        trainer = SFTTrainer(model=m, args=args, train_dataset=data, processing_class=_tokenizer(m.config.vocab_size))
-        if name == "ep":
-            hp_rewrite.prepare_trainer(trainer)
-        trainer.train()
-        results.append(trainer)
-    ep, reference = results
+    ep, reference = _sft_both(model, ref, out / "sft_oss", learning_rate=2e-4, warmup_steps=0.03,
+                              lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1})
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "kept": kept,
               "checkpointing": ep.args.gradient_checkpointing, "wrapped": type(ep.model_wrapped).__name__,
               "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
