@@ -231,20 +231,23 @@ class _DecodedGroupedMM(torch.autograd.Function):
 def _chunked(x, weight: QuantizedWeight, dtype, counts, offsets: torch.Tensor | None,
              chunk_bytes: int, gemm, backward: bool) -> torch.Tensor:
     """Rows of every expert times its decoded weight (``W_e.T`` in the backward), decoding at most
-    ``chunk_bytes`` of fp32 values (at least one expert) at a time. ``gemm(rows, w_in_out, offsets)`` with
-    chunk-relative device offsets; None: a matmul per expert. ``counts()`` gives the rows per expert as
-    host ints: read only where the rows are cut into chunks or per expert (at EP 1 a host read)."""
-    in_first = weight.stored.in_first
-    width = weight.shape[1] if in_first == backward else weight.shape[2]  # the output's columns
+    ``chunk_bytes`` of decode temporaries (at least one expert) at a time. ``gemm(rows, w, offsets)``
+    with chunk-relative device offsets; None: a matmul per expert. ``counts()`` gives the rows per
+    expert as host ints: read only where the rows are cut into chunks or per expert (at EP 1 a host read)."""
+
+    def oriented(first: int, stop: int) -> torch.Tensor:  # experts first..stop-1, [n, rows in, rows out]
+        w = weight.decode(first, stop, dtype)
+        w_in_out = w if weight.stored.in_first else w.transpose(1, 2)
+        return w_in_out.transpose(1, 2) if backward else w_in_out
+
     experts = weight.shape[0]
     # the decode's temporaries: the fp32 values and about as much again (MXFP4's int32 indices and
     # gathered halves, FP8's fp32 copy of the codes), then the copy in the compute dtype
     step = max(1, chunk_bytes // max(1, weight.shape[1] * weight.shape[2] * 8))
     if step >= experts and gemm is not None and offsets is not None:  # one chunk: no host value needed
-        w = weight.decode(0, experts, dtype)
-        w_in_out = w if in_first else w.transpose(1, 2)
-        return gemm(x.to(dtype), w_in_out.transpose(1, 2) if backward else w_in_out, offsets)
+        return gemm(x.to(dtype), oriented(0, experts), offsets)
     counts = counts()
+    width = weight.shape[1] if weight.stored.in_first == backward else weight.shape[2]  # the output's columns
     out = x.new_empty((x.shape[0], width), dtype=dtype)
     first_row = 0
     for first in range(0, experts, step):
@@ -252,18 +255,16 @@ def _chunked(x, weight: QuantizedWeight, dtype, counts, offsets: torch.Tensor | 
         rows = sum(counts[first:stop])
         if rows == 0:
             continue
-        w = weight.decode(first, stop, dtype)  # the parameter's orientation
-        w_in_out = w if in_first else w.transpose(1, 2)
-        w_in_out = w_in_out.transpose(1, 2) if backward else w_in_out
+        w = oriented(first, stop)
         xs = x[first_row : first_row + rows].to(dtype)
         if gemm is not None and offsets is not None:
             base = offsets[first - 1] if first > 0 else 0
-            out[first_row : first_row + rows] = gemm(xs, w_in_out, offsets[first:stop] - base)
+            out[first_row : first_row + rows] = gemm(xs, w, offsets[first:stop] - base)
         else:
-            for piece, we in zip(xs.split(counts[first:stop]), w_in_out.unbind(0), strict=True):
-                out[first_row : first_row + piece.shape[0]] = piece @ we
-                first_row += piece.shape[0]
-            continue
+            at = first_row
+            for piece, we in zip(xs.split(counts[first:stop]), w.unbind(0), strict=True):
+                out[at : at + piece.shape[0]] = piece @ we
+                at += piece.shape[0]
         first_row += rows
     return out
 

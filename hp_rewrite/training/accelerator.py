@@ -182,8 +182,14 @@ def _with_expert_adapters(accelerator, model: nn.Module):
     return None
 
 
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _optimizer_file(folder: Path) -> Path:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     return folder / ADAPTER_OPTIMIZER_FILE.format(rank=rank, world=world)
 
 

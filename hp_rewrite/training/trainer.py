@@ -32,7 +32,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..loading.adapters import has_expert_adapters
@@ -40,16 +39,10 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import rewritten_model
-from .accelerator import deepspeed_refusal, expert_layout, leave_out_ddp, refuse_unsupported
+from .accelerator import deepspeed_refusal, expert_layout, leave_out_ddp, rank_and_world, refuse_unsupported
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _inner_optimizer(optimizer):
@@ -65,7 +58,7 @@ def _indexed(optimizer, params) -> dict[int, torch.nn.Parameter]:
 
 def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) -> Path:
     """Write this rank's expert-parameter optimizer state into ``directory`` (every rank calls it)."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     inner = _inner_optimizer(optimizer)
     state = {
         i: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in inner.state[p].items()}
@@ -85,7 +78,7 @@ def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) 
 
 def load_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) -> None:
     """Put back what :func:`save_expert_optimizer_state` wrote for this rank (same world and experts)."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     path = Path(directory) / EXPERT_OPTIMIZER_FILE.format(rank=rank, world=world)
     if not path.is_file():
         found = sorted(p.name for p in Path(directory).glob("hp_rewrite_expert_optimizer-*"))
