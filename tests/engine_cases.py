@@ -236,7 +236,7 @@ def peft_parity(rank: int, world: int, payload: dict) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from hp_rewrite import save_pretrained
-    from hp_rewrite.runtime import holder_of
+    from tests.peft_cases import copy_local_adapters, expert_slicers
 
     torch.set_num_threads(1)
     ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
@@ -251,24 +251,9 @@ def peft_parity(rank: int, world: int, payload: dict) -> dict:
     peft_ref = get_peft_model(ref, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
     torch.manual_seed(3)
     peft_ep = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
-    ref_modules = dict(peft_ref.named_modules())
-    slicers = {}  # parameter name -> full tensor -> this rank's part (adapters of the local experts)
-    for name, module in peft_ep.named_modules():
-        holder = holder_of(module)
-        if holder is None or module is holder or not hasattr(module, "lora_A"):
-            continue
-        experts = list(holder.hp_expert_parallel.placement.local_experts)
-        n_full = ref_modules[name].num_experts
-        for adapter in module.lora_A:
-            slicers[f"{name}.lora_A.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
-                n, -1, t.shape[-1])[e].reshape(-1, t.shape[-1])
-            slicers[f"{name}.lora_B.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
-                t.shape[0], -1, n)[:, :, e].reshape(t.shape[0], -1)
+    slicers = expert_slicers(peft_ep, peft_ref)
     ref_params = dict(peft_ref.named_parameters())
-    with torch.no_grad():  # the same adapters: this rank's rows of the full model's
-        for name, p in peft_ep.named_parameters():
-            if name in slicers:
-                p.copy_(slicers[name](ref_params[name]))
+    copy_local_adapters(peft_ep, peft_ref, slicers)
     trainable = [n for n, p in peft_ep.named_parameters() if p.requires_grad]
     before = Path(payload["out_dir"]) / "adapter_before"  # plain PEFT's save of the adapters before the step
     if payload["target"] == "experts" and rank == 0:

@@ -138,12 +138,6 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
 
     with hp_rewrite.Interleaver() as il:
         out["interleaver"] = _error(lambda: il.run([step, step]))
-    from peft import LoraConfig, get_peft_model
-
-    adapted = get_peft_model(rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"),
-                                           artifact_dir=art), LoraConfig(r=2, target_modules=["q_proj"],
-                                                                         target_parameters=["mlp.experts.down_proj"]))
-    out["peft_experts"] = _error(lambda: hp_rewrite.fully_shard(adapted))
     wrong = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -263,3 +257,83 @@ def sharded_load(rank: int, world: int, payload: dict) -> dict:
         logits = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
     return {"peak": peak - baseline, "final": final, "worst": worst, "logits": logits,
             "read": model.hp_rewrite.load_report["bytes_read"]}
+
+
+def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
+    """PEFT LoRA under hp_rewrite.fully_shard: the adapters on the experts sharded with them over the
+    expert-replica mesh (the rest over the world), against the unmodified model with the same adapters
+    on the concatenated batch: gradients, clipped steps, and the adapter PEFT saves."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from tests.peft_cases import copy_local_adapters, expert_slicers
+
+    torch.set_num_threads(1)
+    out_dir = Path(payload["out_dir"])
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=out_dir)
+    config = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    if not payload.get("experts_only"):
+        config["target_modules"] = ["q_proj", "v_proj"]
+    torch.manual_seed(3)
+    peft_ref = get_peft_model(ref, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
+    torch.manual_seed(3)
+    peft_ep = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **config))
+    slicers = expert_slicers(peft_ep, peft_ref)
+    copy_local_adapters(peft_ep, peft_ref, slicers)
+    if payload.get("checkpointing"):
+        for m in (peft_ref, peft_ep):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hp_rewrite.fully_shard(peft_ep)
+    trainable = {n: p for n, p in peft_ep.named_parameters() if p.requires_grad}
+    ref_params = dict(peft_ref.named_parameters())
+
+    def worst(get) -> tuple[float, str]:
+        found = (0.0, "")
+        for name, p in trainable.items():
+            target = get(ref_params[name])
+            target = slicers[name](target) if name in slicers else target
+            value = _full(get(p))
+            found = max(found, (((value - target).abs().max() / target.abs().max().clamp_min(1e-12)).item(), name))
+        return found
+
+    name, lr, max_norm = payload.get("optimizer", "adamw"), payload.get("lr", 1e-3), payload.get("max_norm", 0.5)
+    opt_ref = _optimizer(name, [p for p in ref_params.values() if p.requires_grad], lr)
+    opt = _optimizer(name, list(trainable.values()), lr)
+    vocab, per_rank = ref.config.vocab_size, 2
+    gen = torch.Generator().manual_seed(7)
+    out = {"norms": [], "ref_norms": [], "trainable": len(trainable), "local_adapters": len(slicers)}
+    for step in range(2):
+        ids = torch.randint(0, vocab, (world * per_rank, 8), generator=gen)
+        mine = ids[rank * per_rank : (rank + 1) * per_rank]
+        _lm_loss(peft_ref(input_ids=ids).logits, ids).backward()
+        _lm_loss(peft_ep(input_ids=mine).logits, mine).backward()
+        if step == 0:
+            out["grad_worst"], out["grad_worst_name"] = worst(lambda p: p.grad)
+        out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(opt_ref.param_groups[0]["params"], max_norm).item())
+        out["norms"].append(hp_rewrite.clip_grad_norm_(peft_ep.parameters(), max_norm).item())
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    out["worst"], out["worst_name"] = worst(lambda p: p.detach())
+    adapter = next(p for n, p in trainable.items() if n in slicers)
+    out["adapter_mesh"] = adapter.device_mesh.size()
+    out["adapter_local_rows"] = adapter.to_local().shape[0]
+    out["adapter_rows"] = adapter.shape[0]
+    if not payload.get("save", True):
+        return out
+    ep_dir, ref_dir = out_dir / "adapter_ep", out_dir / "adapter_ref"
+    peft_ep.save_pretrained(ep_dir, is_main_process=rank == 0)  # every rank: gathered, rank 0 writes
+    if rank == 0:
+        peft_ref.save_pretrained(ref_dir)
+    dist.barrier()
+    got, want = load_file(ep_dir / "adapter_model.safetensors"), load_file(ref_dir / "adapter_model.safetensors")
+    out["file_keys"] = sorted(got) == sorted(want)
+    out["file_worst"] = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+    # plain PEFT's file read into the sharded model: each rank's shard of its experts' adapters, exactly
+    peft_ep.load_adapter(ref_dir, adapter_name="default", is_trainable=True)
+    out["loaded_worst"] = worst(lambda p: p.detach())[0]
+    out["loaded_sharded"] = all(hasattr(p, "device_mesh") for p in trainable.values())
+    return out

@@ -24,6 +24,37 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def expert_slicers(peft_ep, peft_ref) -> dict:
+    """Parameter name of an adapter on the EP model's experts -> full tensor (``peft_ref``'s) -> this
+    rank's part (the adapters of its local experts)."""
+    from hp_rewrite.runtime import holder_of
+
+    ref_modules = dict(peft_ref.named_modules())
+    slicers = {}
+    for name, module in peft_ep.named_modules():
+        holder = holder_of(module)
+        if holder is None or module is holder or not hasattr(module, "lora_A"):
+            continue
+        experts = list(holder.hp_expert_parallel.placement.local_experts)
+        n_full = ref_modules[name].num_experts
+        for adapter in module.lora_A:
+            slicers[f"{name}.lora_A.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                n, -1, t.shape[-1])[e].reshape(-1, t.shape[-1])
+            slicers[f"{name}.lora_B.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(
+                t.shape[0], -1, n)[:, :, e].reshape(t.shape[0], -1)
+    return slicers
+
+
+@torch.no_grad()
+def copy_local_adapters(peft_ep, peft_ref, slicers: dict) -> None:
+    """The same adapters in both models: the EP model's expert adapters are this rank's rows of the
+    full model's, every other adapter the full model's."""
+    ref_params = dict(peft_ref.named_parameters())
+    for name, p in peft_ep.named_parameters():
+        if "lora_" in name:
+            p.copy_(slicers[name](ref_params[name]) if name in slicers else ref_params[name])
+
+
 def adapter_round_trip(rank: int, peft_ref, peft_ep, plan, out_dir: Path, mine: torch.Tensor,
                        before: Path, slicers: dict) -> dict:
     """``peft_ep.save_pretrained`` on every rank writes plain PEFT's files for the same adapters;

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..runtime import ExpertParallelError, holder_of
 from ..runtime.gradients import rank_local_modules
@@ -125,8 +126,6 @@ def _refuse(unknown: list[str], what: str) -> None:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -167,19 +166,48 @@ def _adapters_in(module: nn.Module, state_dict: dict, prefix: str, what: str) ->
     return [(f"{prefix}{a.key}", a) for a in adapters if f"{prefix}{a.key}" in state_dict]
 
 
+def _sharded_adapters(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+    """``(key, parameter)`` of every PEFT adapter tensor below ``module`` (the ``adapter_layer_names``
+    of its tuner layers: LoRA's factors and the like) when FSDP2 (hp_rewrite.fully_shard, or an engine's
+    through it) has sharded the model; empty otherwise."""
+    if getattr(getattr(module, "hp_rewrite", None), "fsdp", None) is None:
+        return []
+    found = []
+    for path, m in module.named_modules():
+        for layer in getattr(m, "adapter_layer_names", ()):
+            factors = getattr(m, layer, None)
+            for name, p in factors.named_parameters() if isinstance(factors, nn.Module) else ():
+                found.append((prefix + state_dict_name(f"{path}.{layer}.{name}" if path else f"{layer}.{name}"), p))
+    return found
+
+
 def install_adapter_state_hooks(model: nn.Module) -> None:
     """State dicts of ``model`` (and of PEFT or engine wrappers around it) hold the expert adapters
-    gathered at full shape; ``load_state_dict`` takes them full or local."""
+    gathered at full shape; ``load_state_dict`` takes them full or local.
+
+    Under FSDP2 every PEFT adapter tensor is whole in the state dict too (gathered to the host, one at
+    a time), as plain PEFT's state dict holds it, and ``load_state_dict`` takes it whole: so PEFT's
+    ``save_pretrained`` (on every rank) and ``load_adapter`` work on the sharded model as on any other.
+    The frozen base weights stay FSDP2's DTensors."""
 
     def gather(module, state_dict, prefix, local_metadata):
         for key, adapter in _adapters_in(module, state_dict, prefix, "state_dict"):
             state_dict[key] = gather_full_adapter(adapter, state_dict[key])
+        for key, _ in _sharded_adapters(module, prefix):
+            if isinstance(state_dict.get(key), DTensor):
+                state_dict[key] = state_dict[key].full_tensor().cpu()
 
     def slice_(module, state_dict, prefix, *_):
         for key, adapter in _adapters_in(module, state_dict, prefix, "load_state_dict"):
             t = state_dict[key]
             if torch.is_tensor(t) and t.shape != adapter.param.shape and list(t.shape) == adapter.full_shape():
                 state_dict[key] = local_part(adapter, t)
+        for key, param in _sharded_adapters(module, prefix):
+            t = state_dict.get(key)
+            if isinstance(param, DTensor) and torch.is_tensor(t) and not isinstance(t, DTensor) \
+                    and t.shape == param.shape:  # whole: this rank's shard of it, no communication
+                state_dict[key] = distribute_tensor(t.to(param.device), param.device_mesh, param.placements,
+                                                    src_data_rank=None)
 
     model.register_state_dict_post_hook(gather)
     model.register_load_state_dict_pre_hook(slice_)

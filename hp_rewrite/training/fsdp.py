@@ -84,11 +84,6 @@ def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -
             f"{what}: {kept[0]} keeps its experts quantised (dequantize=False); sharding them with FSDP2 is not "
             "supported. Train adapters on kept experts with DDP (docs/training.md), or load with dequantize=True"
         )
-    if any(getattr(m, "hp_expert_parallel", None) is None for _, m in rank_local_modules(inner)):
-        raise ExpertParallelError(
-            f"{what}: the experts carry PEFT adapters; sharding them with FSDP2 is not supported. Train "
-            "adapters on the experts with DDP (docs/training.md, PEFT), or merge them first (merge_and_unload())"
-        )
 
 
 def _policies(mp_policy, reshard_after_forward, offload_policy) -> dict:
