@@ -171,8 +171,10 @@ def _lora_worst(model, ref) -> float:
 
 def _own_expert_adapters(model) -> None:
     """Draw each rank's expert adapters from a generator of its own: every expert's differ, so an
-    expert gathered into the wrong place shows."""
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    expert gathered into the wrong place shows (the expert replicas of an EP rank alike)."""
+    from hp_rewrite.training import rewritten_model
+
+    gen = torch.Generator().manual_seed(100 + rewritten_model(model).hp_rewrite.ep.rank)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".experts." in name and "lora_" in name:

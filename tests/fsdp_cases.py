@@ -336,4 +336,5 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
     peft_ep.load_adapter(ref_dir, adapter_name="default", is_trainable=True)
     out["loaded_worst"] = worst(lambda p: p.detach())[0]
     out["loaded_sharded"] = all(hasattr(p, "device_mesh") for p in trainable.values())
+    out["dcp_refused"] = _error(lambda: hp_rewrite.save_checkpoint(peft_ep, opt, out_dir / "dcp"))
     return out

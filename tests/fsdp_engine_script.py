@@ -157,6 +157,60 @@ def case_accelerate(model_dir, out):
     return result
 
 
+def case_accelerate_lora(model_dir, out):
+    """accelerate's FSDP2 plugin, PEFT LoRA on attention and the experts: two AdamW steps with accumulation
+    2 and clipping against the unmodified PEFT model; save_state after the first, load_state and the second
+    step again ends bit for bit where it ended; the state holds the adapter plain PEFT reads."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tests.engine_script import _lora_state, _lora_worst, _own_expert_adapters
+
+    force_fsdp()
+    world, rank, steps, accum = dist.get_world_size(), dist.get_rank(), 2, 2
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=[LAYER], reshard_after_forward=True)
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=accum))
+    config = dict(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    torch.manual_seed(5)
+    model = get_peft_model(_ep_model(model_dir, out), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref.load_state_dict(_lora_state(model), strict=False)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    mine = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)[:, rank]
+    prepared, optimizer = accelerator.prepare(model, _adamw([p for p in model.parameters() if p.requires_grad]))
+    norms = []
+
+    def micro_step(batch):
+        with accelerator.accumulate(prepared):
+            accelerator.backward(prepared(input_ids=batch, labels=batch).loss)
+            if accelerator.sync_gradients:
+                norms.append(float(_full(accelerator.clip_grad_norm_(prepared.parameters(), 0.5))))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for i, batch in enumerate(mine):
+        micro_step(batch)
+        if i == accum - 1:
+            accelerator.save_state(str(out / "state"))
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
+                                 _adamw([p for p in ref.parameters() if p.requires_grad]), 0.5)
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "norms": list(norms), "ref_norms": ref_norms,
+              "is_fsdp": True, **_sharding(prepared)}
+    final = _params(prepared)
+    accelerator.load_state(str(out / "state"))
+    for batch in mine[accum:]:
+        micro_step(batch)
+    result["resume_worst"] = _diff(_params(prepared), final)
+    result["state_files"] = sorted(os.listdir(out / "state" / "hp_rewrite_adapter_0"))
+    if rank == 0:  # the state's adapter, read by plain PEFT: the adapters after the first step
+        plain = PeftModel.from_pretrained(_reference(model_dir), out / "state" / "hp_rewrite_adapter_0")
+        result["state_adapter_keys"] = sorted(_lora_state(plain)) == sorted(_lora_state(ref))
+    return result
+
+
 def _forced_trainer_class(base):
     """``base`` (Trainer, SFTTrainer) taking accelerate's FSDP path on a CPU (module doc)."""
 
@@ -250,6 +304,75 @@ def _trainer_adamw(model_dir, out, state_dict_type: str) -> dict:
     return result
 
 
+def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
+    """PEFT LoRA on the experts only (target_parameters) with fsdp_config version 2: three AdamW steps
+    with accumulation 2 and clipping, a checkpoint after each, against the unmodified PEFT model stepped
+    on the concatenated batch; the adapters sharded with their experts over the expert replicas;
+    save_model and checkpoints hold the adapter plain PEFT reads; a second Trainer resumes from
+    checkpoint-1 and ends where the first did. ``kept_fp8``: a DeepSeek-V3 block-FP8 checkpoint with its
+    experts kept as codes (FSDP2 leaves them out), LoRA on every Linear too, against the unmodified model
+    loaded with ``dequantize=True``."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tests.engine_script import (
+        _dequantised_fp8,
+        _fp8_checkpoint,
+        _kept_fp8_model,
+        _lora_state,
+        _lora_worst,
+        _own_expert_adapters,
+    )
+
+    world, steps, accum = dist.get_world_size(), 3, 2
+    config = dict(r=2, lora_alpha=4, init_lora_weights=False,
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    load_ep, load_ref = _ep_model, _reference
+    if kept_fp8:
+        config["target_modules"] = "all-linear"
+        model_dir, load_ref = _fp8_checkpoint(out), _dequantised_fp8
+        load_ep = lambda d, o: _kept_fp8_model(d, o / "art")  # noqa: E731
+    ref = get_peft_model(load_ref(model_dir), LoraConfig(**config))
+    torch.manual_seed(5)  # replicated adapters alike on every rank
+    model = get_peft_model(load_ep(model_dir, out), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref.load_state_dict(_lora_state(model), strict=False)  # the same adapters, full shape
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    common = dict(optim="adamw_torch", learning_rate=1e-3, adam_epsilon=1e-4, weight_decay=0.0, max_steps=steps,
+                  gradient_accumulation_steps=accum, max_grad_norm=0.5, save_strategy="steps", save_steps=1)
+    if kept_fp8:
+        common["fsdp_config"] = {**_fsdp_config(), "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]}
+    trainer = _trainer(model, samples, out / "lora", **common)
+    trainer.train()
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
+                                 _adamw([p for p in ref.parameters() if p.requires_grad]), 0.5)
+    adapter = next(p for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n)
+    result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "grad_norm": _grad_norms(trainer),
+              "ref_norms": ref_norms, "is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model),
+              "adapter_mesh": adapter.device_mesh.size(), "adapter_rows": [adapter.to_local().shape[0], adapter.shape[0]]}
+    trainer.save_model(str(out / "lora" / "final"))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:  # plain transformers + PEFT read the adapter the run wrote
+        for folder in ("final", "checkpoint-3"):
+            got = _lora_state(PeftModel.from_pretrained(load_ref(model_dir), out / "lora" / folder))
+            result[f"reload_{folder}"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        result["files"] = sorted(os.listdir(out / "lora" / "checkpoint-1"))
+    dist.barrier()
+    torch.manual_seed(99)
+    resumed_model = get_peft_model(load_ep(model_dir, out), LoraConfig(**config))
+    resumed = _trainer(resumed_model, samples, out / "lora", **common)
+    resumed.train(resume_from_checkpoint=str(out / "lora" / "checkpoint-1"))
+    result["resume_worst"] = _lora_worst(resumed_model, model)
+    if kept_fp8:
+        from hp_rewrite.runtime.quantized import QuantizedWeight
+
+        result["codes_kept"] = sum(isinstance(p, QuantizedWeight) for p in model.parameters())
+    return result
+
+
+def case_trainer_lora_fp8_kept(model_dir, out):
+    return case_trainer_lora_experts(model_dir, out, kept_fp8=True)
+
+
 def case_trainer_full(model_dir, out):
     return _trainer_adamw(model_dir, out, "FULL_STATE_DICT")
 
@@ -321,6 +444,48 @@ def case_sft_sgd(model_dir, out):
 
 def case_sft_bf16(model_dir, out):
     return _sft_case(model_dir, out, bf16=True, max_steps=2, gradient_accumulation_steps=1)
+
+
+def case_sft_lora_bf16(model_dir, out):
+    """SFTTrainer with SFTConfig's defaults (bf16, activation checkpointing, the load-balancing loss) and
+    fsdp_config version 2, LoRA on attention and the experts (PEFT's init), against SFTTrainer on the
+    unmodified PEFT model under the same FSDP2 policy; save_model writes the adapter plain PEFT reads."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tests.engine_script import _lora_state, _own_expert_adapters
+
+    def _lora_worst(model, ref, part: str = "") -> tuple[float, str]:  # the reference's: FSDP2 shards, gathered
+        got, want = _lora_state(model), {k: _full(v) for k, v in ref.state_dict().items() if "lora_" in k}
+        return max((((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item(), k) for k in want
+                   if part in k)
+
+    world = dist.get_world_size()
+    config = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    model = get_peft_model(_ep_model(model_dir, out), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2)
+    options = dict(max_steps=2, gradient_accumulation_steps=1)
+    trainer, args = _sft(model, samples, out / "ep", True, **options)
+    hp_rewrite.prepare_trainer(trainer)
+    trainer.train()
+    ref_trainer, _ = _sft(ref, samples, out / "ref", True, **options)
+    ref_trainer.train()
+    result = {"is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model), "bf16": args.bf16,
+              "checkpointing": args.gradient_checkpointing, "aux_loss": trainer.aux_loss_enabled,
+              **dict(zip(("worst", "worst_name"), _lora_worst(model, ref_trainer.model), strict=True)),
+              "experts_worst": _lora_worst(model, ref_trainer.model, ".experts.")[0],
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "ref_losses": [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]}
+    trainer.save_model(str(out / "ep" / "final"))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:
+        got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / "ep" / "final"))
+        result["reload_final"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return result
 
 
 def _accelerate_sgd(model_dir, out, presharded: bool) -> dict:

@@ -165,6 +165,36 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
+def _kept_under_fsdp2(kept, peft_ref, config: dict, slicers: dict, ids: torch.Tensor, mine: slice) -> dict:
+    """hp_rewrite.fully_shard of a PEFT model on kept experts: the codes left as they are, the adapters and
+    the rest sharded; one SGD step from ``peft_ref``'s adapters, against it on the whole batch."""
+    from peft import get_peft_model
+
+    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from tests.fsdp_cases import _full
+    from tests.peft_cases import copy_local_adapters
+
+    peft_fs = get_peft_model(kept, type(peft_ref.peft_config["default"])(**config))
+    copy_local_adapters(peft_fs, peft_ref, slicers)
+    hp_rewrite.fully_shard(peft_fs)
+    peft_ref.zero_grad()
+    peft_ref(input_ids=ids, labels=ids).loss.backward()
+    peft_fs(input_ids=ids[mine], labels=ids[mine]).loss.backward()
+    ref_params = dict(peft_ref.named_parameters())
+    trainable = {n: p for n, p in peft_fs.named_parameters() if p.requires_grad}
+
+    def worst(get) -> float:
+        return max(_rel(_full(get(p)), slicers.get(n, lambda t: t)(get(ref_params[n]))) for n, p in trainable.items())
+
+    out = {"fsdp_grad_worst": worst(lambda p: p.grad)}
+    for m in (peft_ref, peft_fs):
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5).step()
+    out["fsdp_step_worst"] = worst(lambda p: p.detach())
+    out["fsdp_codes_kept"] = sum(isinstance(p, QuantizedWeight) for p in peft_fs.parameters())
+    out["fsdp_adapters_sharded"] = all(hasattr(p, "device_mesh") for p in trainable.values())
+    return out
+
+
 def kept_case(rank: int, world: int, payload: dict) -> dict:
     """Experts kept as the checkpoint's codes and scales (``dequantize=False``), fp32, at EP = world: each
     expert weight a QuantizedWeight whose decoded values are bit-equal to the dequantised model's local
@@ -185,13 +215,16 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
     for name, model_dir in payload["checkpoints"].items():
         model_dir, r = Path(model_dir), {}
         out[name] = r
-        if name.startswith("gpt_oss"):  # as a gpt-oss recipe writes it, under auto_patch
-            with hp_rewrite.auto_patch(plan, artifact_dir=art):
-                kept = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                            quantization_config=Mxfp4Config(dequantize=False))
-        else:
-            kept = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32,
+
+        def load_kept(name=name, model_dir=model_dir):
+            if name.startswith("gpt_oss"):  # as a gpt-oss recipe writes it, under auto_patch
+                with hp_rewrite.auto_patch(plan, artifact_dir=art):
+                    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                quantization_config=Mxfp4Config(dequantize=False))
+            return hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=art, dtype=torch.float32,
                                               quantization_config=FineGrainedFP8Config(dequantize=False))
+
+        kept = load_kept()
         full = plain(model_dir, dtype=torch.float32).train()
         kept.train()
         want, local = full.state_dict(), local_state(kept)
@@ -271,11 +304,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             r["dcp_refused"] = ""
         except Exception as e:  # noqa: BLE001
             r["dcp_refused"] = str(e)
-        try:
-            hp_rewrite.fully_shard(peft_ep)
-            r["fsdp_refused"] = ""
-        except Exception as e:  # noqa: BLE001
-            r["fsdp_refused"] = str(e)
+        r.update(_kept_under_fsdp2(load_kept(), peft_ref, config, slicers, ids, mine))
         holder = next(m for m in kept.modules() if getattr(m, "hp_expert_parallel", None) is not None)
         weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
         getattr(holder, weight).requires_grad_(True)

@@ -75,6 +75,7 @@ def test_fully_shard_trains_saves_and_loads_peft_adapters_on_the_experts(case: s
         assert r["adapter_mesh"] == world // 2 and r["adapter_local_rows"] == r["adapter_rows"] // (world // 2), r
         assert r["file_keys"] and r["file_worst"] <= TOL, r  # peft save_pretrained: plain PEFT's file
         assert r["loaded_worst"] == 0.0 and r["loaded_sharded"], r  # load_adapter of plain PEFT's file, exactly
+        assert "PEFT adapters" in r["dcp_refused"] and "save_pretrained" in r["dcp_refused"], r
 
 
 def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> None:

@@ -18,9 +18,13 @@ from tests.training_cases import TOL
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
-             "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "refusals"]
-FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd"]
+             "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora", "refusals"]
+FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
+# bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
+# so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
+# attention lora_B (the expert adapters, drawn non-zero: 3.9e-4, held to SFT_BF16_TOL)
+LORA_BF16_TOL = 5e-2
 
 
 def _world(nproc: int, cases: list[str], tmp_path_factory) -> dict:
@@ -119,6 +123,54 @@ def test_sft_trainer_fsdp2_with_its_defaults_equals_unmodified(world: int, reque
         for r in results["sft_bf16"]:  # SFTConfig's defaults: bf16 mixed precision too
             assert r["bf16"] and r["mp_param_dtype"] == "torch.bfloat16" and r["checkpointing"] and r["aux_loss"], r
             assert r["worst"] <= SFT_BF16_TOL, (r["worst_name"], r["worst"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_fsdp2_lora_on_the_experts_saves_and_resumes_as_peft(world: int, request) -> None:
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])["trainer_lora_experts"]
+    for r in results:
+        _sharded_as_fully_shard(r, world)
+        _exact(r)  # the adapters after three clipped AdamW steps, and the global norm on every rank
+        # the expert adapters sharded with their frozen experts: over the expert replicas
+        assert r["adapter_mesh"] == world // 2 and r["adapter_rows"] == [8 // (world // 2), 8], r
+        assert r["resume_worst"] == 0.0, r  # resumed from checkpoint-1: bit for bit
+    r0 = results[0]
+    assert r0["reload_final"] == 0.0 and r0["reload_checkpoint-3"] == 0.0, r0  # plain PEFT reads it, bit for bit
+    assert {"adapter_model.safetensors", "adapter_config.json", "scheduler.pt"} <= set(r0["files"]), r0["files"]
+    assert {f"hp_rewrite_optimizer-rank{i}-of-{world}.pt" for i in range(world)} <= set(r0["files"]), r0["files"]
+    assert not any(f.startswith(("model", "hp_rewrite_fsdp", "pytorch_model")) for f in r0["files"]), r0["files"]
+
+
+def test_trainer_fsdp2_lora_on_kept_fp8_experts(two) -> None:
+    """A DeepSeek-V3 block-FP8 checkpoint, experts kept as codes (FSDP2 leaves them as loaded), LoRA on
+    every Linear and the experts: exact against the dequantised unmodified model, resumed bit for bit."""
+    results = two["trainer_lora_fp8_kept"]
+    for r in results:
+        assert r["is_fsdp"] and r["fsdp2"] and r["dense_mesh"] == 2 and r["codes_kept"] > 0, r
+        assert r["expert_mesh"] == 0, r  # the kept experts are not DTensors: each rank's codes as read
+        _exact(r)
+        assert r["resume_worst"] == 0.0, r
+    assert results[0]["reload_final"] == 0.0 and results[0]["reload_checkpoint-3"] == 0.0, results[0]
+
+
+def test_accelerate_fsdp2_lora_on_the_experts_equals_unmodified_and_resumes(two) -> None:
+    for r in two["accelerate_lora"]:
+        _sharded_as_fully_shard(r, 2)
+        _exact(r)
+        assert r["resume_worst"] == 0.0, r  # load_state: adapters and AdamW state put back bit for bit
+        assert {"adapter_model.safetensors", "optimizer-rank0-of-2.pt", "optimizer-rank1-of-2.pt"} <= set(
+            r["state_files"]), r["state_files"]
+    assert two["accelerate_lora"][0]["state_adapter_keys"], two["accelerate_lora"][0]
+
+
+def test_sft_trainer_fsdp2_lora_with_its_defaults_within_bf16_tolerance(two) -> None:
+    for r in two["sft_lora_bf16"]:
+        _sharded_as_fully_shard(r, 2)
+        assert r["bf16"] and r["checkpointing"] and r["aux_loss"], r
+        assert r["experts_worst"] <= SFT_BF16_TOL, r
+        assert r["worst"] <= LORA_BF16_TOL, (r["worst_name"], r["worst"])
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-3), r
+    assert two["sft_lora_bf16"][0]["reload_final"] == 0.0, two["sft_lora_bf16"][0]
 
 
 def test_accelerate_keeps_a_model_sharded_by_fully_shard(two) -> None:

@@ -31,10 +31,8 @@ import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..loading.adapters import has_expert_adapters
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import trains_rank_local_only
@@ -42,10 +40,11 @@ from . import info_of, rewritten_model
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
+from .rank_state import load_optimizer, rank_and_world, save_optimizer
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
 STATE_FOLDER = "hp_rewrite_model_{i}"
-#: a PEFT model with adapters on the experts: its adapter as PEFT saves it, and each rank's optimizer
+#: a PEFT model: its adapter as PEFT saves it, and each rank's optimizer
 ADAPTER_FOLDER = "hp_rewrite_adapter_{i}"
 ADAPTER_OPTIMIZER_FILE = "optimizer-rank{rank}-of-{world}.pt"
 
@@ -125,16 +124,35 @@ def _shard_experts_first(accelerator, model: nn.Module, optimizers: list) -> Non
             group["params"] = [moved.get(id(p), p) for p in group["params"]]
 
 
+def _kept_owners(models: list[nn.Module]) -> list[nn.Module]:
+    """The modules holding experts kept quantised, which FSDP2 leaves out (:mod:`.fsdp`)."""
+    owners = []
+    for model in models:
+        kept = rewritten_model(model).hp_rewrite.fsdp.kept
+        owners += [m for m in model.modules() if any(id(p) in kept for p in m.parameters(recurse=False))]
+    return owners
+
+
 @contextlib.contextmanager
-def _plugin_for_ep(accelerator, presharded: bool):
+def _plugin_for_ep(accelerator, presharded: bool, models: list[nn.Module]):
     """The FSDP2 plugin during ``prepare`` of an expert-parallel model: no rank-0 broadcast (module doc);
-    for a model already sharded by hp_rewrite.fully_shard no wrap policy either (accelerate keeps an FSDP2
-    module as it is, but first looks its layer classes up by their names, which FSDP2 has changed)."""
+    experts kept quantised left out of accelerate's units too; for a model already sharded by
+    hp_rewrite.fully_shard no wrap policy either (accelerate keeps an FSDP2 module as it is, but first
+    looks its layer classes up by their names, which FSDP2 has changed)."""
     plugin = accelerator.state.fsdp_plugin
-    saved = {"cpu_ram_efficient_loading": plugin.cpu_ram_efficient_loading, "auto_wrap_policy": plugin.auto_wrap_policy}
+    saved = {"cpu_ram_efficient_loading": plugin.cpu_ram_efficient_loading, "auto_wrap_policy": plugin.auto_wrap_policy,
+             "ignored_modules": plugin.ignored_modules}
     plugin.cpu_ram_efficient_loading = False
     if presharded:
         plugin.auto_wrap_policy = None
+    owners = _kept_owners(models)
+    if owners:
+        if isinstance(plugin.ignored_modules, str):
+            raise ExpertParallelError(
+                "accelerate prepare: the model keeps experts quantised, which FSDP2 must leave out, and the FSDP "
+                "plugin names its ignored_modules by a pattern; pass them as a list of modules instead"
+            )
+        plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
     try:
         yield
     finally:
@@ -174,18 +192,10 @@ def _latest_state(accelerator) -> str:
     return str(folders[-1])
 
 
-def _with_expert_adapters(accelerator, model: nn.Module):
-    """The PEFT model inside a prepared ``model`` when it has adapters on the experts, else None."""
+def _peft_model(accelerator, model: nn.Module):
+    """The PEFT model inside a prepared ``model`` (its adapter is what trains and what is saved), or None."""
     unwrapped = accelerator.unwrap_model(model)
-    if hasattr(unwrapped, "peft_config") and has_expert_adapters(rewritten_model(unwrapped)):
-        return unwrapped
-    return None
-
-
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return unwrapped if hasattr(unwrapped, "peft_config") else None
 
 
 def _optimizer_file(folder: Path) -> Path:
@@ -194,35 +204,21 @@ def _optimizer_file(folder: Path) -> Path:
 
 
 def save_adapter_state(peft, optimizer, folder: Path, main: bool) -> None:
-    """A PEFT model with adapters on the experts: the adapter as PEFT saves it (full shapes, every rank
-    joins the gathering save) and each rank's whole optimizer state (adapters only: small) beside it."""
+    """A PEFT model: the adapter as PEFT saves it (full shapes, every rank joins the gathering save) and
+    each rank's whole optimizer state (adapters only: small; FSDP2's shards as this rank holds them)."""
     folder.mkdir(parents=True, exist_ok=True)
     peft.save_pretrained(folder, is_main_process=main)
     if optimizer is not None:
-        torch.save({"experts": expert_layout(peft), "state": optimizer.state_dict()}, _optimizer_file(folder))
+        save_optimizer(optimizer, peft, _optimizer_file(folder))
 
 
 def load_adapter_state(peft, optimizer, folder: Path) -> None:
     """Put back what :func:`save_adapter_state` wrote: the active adapter through PEFT's ``load_adapter``
-    (each rank keeps its experts' slices), this rank's optimizer state (same world and experts)."""
+    (each rank keeps its experts' slices, its FSDP2 shards), this rank's optimizer state (same world and
+    experts)."""
     peft.load_adapter(folder, adapter_name=peft.active_adapter, is_trainable=True)
-    if optimizer is None:
-        return
-    path = _optimizer_file(folder)
-    if not path.is_file():
-        raise ExpertParallelError(f"load_state: {folder} has no {path.name}; load a state at the world size that "
-                                  "wrote it")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved["experts"] != expert_layout(peft):
-        raise ExpertParallelError(f"load_state: this rank held other experts when {folder} was written; load it "
-                                  "with the plan (ep_size, placement) and world size of the run that wrote it")
-    optimizer.load_state_dict(saved["state"])
-
-
-def expert_layout(model) -> list[list[int]]:
-    """Which experts this rank holds, per experts holder: a saved state resumes only onto the same."""
-    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
-            if getattr(m, "hp_expert_parallel", None) is not None]
+    if optimizer is not None:
+        load_optimizer(optimizer, peft, _optimizer_file(folder), "load_state")
 
 
 def leave_out_ddp(accelerator, model) -> None:
@@ -265,7 +261,7 @@ def prepare_accelerator(accelerator):
             presharded = any(rewritten_model(m).hp_rewrite.fsdp is not None for m in models)
             for model in models:
                 _shard_experts_first(accelerator, model, optimizers)
-            with _plugin_for_ep(accelerator, presharded):
+            with _plugin_for_ep(accelerator, presharded, models):
                 return prepare(*args, device_placement=device_placement)
         for model in (a for a in args if _is_ep_model(a)):
             if accelerator.num_processes > 1 and trains_rank_local_only(rewritten_model(model), model):
@@ -285,7 +281,7 @@ def prepare_accelerator(accelerator):
             location = save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         for (i, model), optimizer in zip(models, optimizers, strict=True):
             inner = None if optimizer is None else getattr(optimizer, "optimizer", optimizer)
-            peft = _with_expert_adapters(accelerator, model)
+            peft = _peft_model(accelerator, model)
             if peft is not None:
                 save_adapter_state(peft, inner, Path(location) / ADAPTER_FOLDER.format(i=i), accelerator.is_main_process)
             else:
@@ -300,7 +296,7 @@ def prepare_accelerator(accelerator):
         with _hidden(accelerator, [m for _, m in models], [o for o in optimizers if o is not None]):
             load_state(input_dir, **kwargs)
         for (i, model), optimizer in zip(models, optimizers, strict=True):
-            peft = _with_expert_adapters(accelerator, model)
+            peft = _peft_model(accelerator, model)
             folder = Path(input_dir) / (STATE_FOLDER if peft is None else ADAPTER_FOLDER).format(i=i)
             if not folder.is_dir():
                 raise ExpertParallelError(

@@ -65,11 +65,14 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
         for w in holder.hp_layout.weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
-    if any(id(p) not in weights for p in rank_local_parameters(model)):
+    peft = any(hasattr(m, "adapter_layer_names") for m in model.modules())  # PEFT's tuner layers
+    if peft or any(id(p) not in weights for p in rank_local_parameters(model)):
+        # (under FSDP2 a PEFT model's state dict holds its adapters whole, which DCP could not load in place)
         raise ExpertParallelError(
-            "checkpoint: adapters on the experts (PEFT) are not saved by hp_rewrite's distributed checkpoint; save "
-            "the adapter as PEFT does, peft_model.save_pretrained(dir) on every rank (Trainer: "
-            "hp_rewrite.prepare_trainer checkpoints and resumes them), or merge them (merge_and_unload()) first"
+            "checkpoint: PEFT adapters are not saved by hp_rewrite's distributed checkpoint; save the adapter as "
+            "PEFT does, peft_model.save_pretrained(dir) on every rank, and each rank's optimizer state "
+            "(accelerate's save_state and Trainer's checkpoints do both once prepared by hp_rewrite), or merge the "
+            "adapters (merge_and_unload()) first"
         )
     return names
 

@@ -8,6 +8,10 @@ the contract of :mod:`hp_rewrite.runtime.gradients`: an expert gradient already 
 tokens, so it is summed over the replicas and divided by the *world* size
 (``set_gradient_divide_factor``); the other weights are averaged over the world, FSDP's default.
 
+Experts kept quantised (``dequantize=False``: frozen codes and scales, not a tensor FSDP2 can shard)
+stay out of every FSDP2 unit, each rank holding its EP share as loaded; their adapters and everything
+else are sharded as above.
+
 The mesh has the dimensions ``("efsdp", "ep")`` (or ``("dp_replicate", "efsdp", "ep")``: experts
 and the rest are then replicated over ``dp_replicate`` and sharded within it, HSDP). ``ep`` must be
 the model's EP groups: consecutive ranks. Without a mesh, the one the model's EP groups were built
@@ -40,9 +44,10 @@ class ShardedMeshes:
     mesh: DeviceMesh
     experts: DeviceMesh  # the expert-replica dimensions
     dense: DeviceMesh  # every rank: data parallel for the non-expert weights
+    kept: frozenset = frozenset()  # ids of experts kept quantised: left out of every FSDP2 unit (module doc)
 
 
-def _views(mesh: DeviceMesh) -> ShardedMeshes:
+def _views(mesh: DeviceMesh, kept: frozenset) -> ShardedMeshes:
     names = tuple(mesh.mesh_dim_names)
     experts = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
     if "dp_replicate" in names:  # HSDP: replicate over dp_replicate, shard over the rest
@@ -50,7 +55,7 @@ def _views(mesh: DeviceMesh) -> ShardedMeshes:
         dense = mesh._get_root_mesh()[("dp_replicate", "hp_dp_shard")]
     else:
         dense = mesh._flatten("hp_dp")
-    return ShardedMeshes(mesh, experts, dense)
+    return ShardedMeshes(mesh, experts, dense, kept)
 
 
 def _expert_placement(shard_size: int):
@@ -78,12 +83,12 @@ def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -
             f"{what}: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
             "runtime.defer_expert_grads: false in the plan to train with FSDP2"
         )
-    kept = [type(h).__name__ for h in holders if any(isinstance(p, QuantizedWeight) for p in h.parameters())]
-    if kept:
-        raise ExpertParallelError(
-            f"{what}: {kept[0]} keeps its experts quantised (dequantize=False); sharding them with FSDP2 is not "
-            "supported. Train adapters on kept experts with DDP (docs/training.md), or load with dequantize=True"
-        )
+
+
+def _kept_in(module: nn.Module, views: ShardedMeshes) -> set | None:
+    """The kept-quantised expert weights below ``module``: FSDP2 leaves them as they are."""
+    kept = {p for p in module.parameters() if id(p) in views.kept}
+    return kept or None
 
 
 def _policies(mp_policy, reshard_after_forward, offload_policy) -> dict:
@@ -110,13 +115,14 @@ def shard_experts(
     _refuse_unshardable(inner, holders, what)
     mesh = mesh if mesh is not None else ep.mesh  # the mesh the model's EP groups come from
     check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
-    views = _views(mesh)
+    views = _views(mesh, frozenset(id(p) for p in inner.parameters() if isinstance(p, QuantizedWeight)))
     common = _policies(mp_policy, reshard_after_forward, offload_policy)
     divisor = ep.dp_size  # the batches of one step (the ranks of a TP group share one)
     sum_only = "nccl" not in backend_name()  # gloo and hccl have no PREMUL_SUM: SUM, then scale
     shard_size = mesh["efsdp"].size()  # the experts' shard dimension (HSDP replicates over dp_replicate)
     for _, module in rank_local_modules(inner):  # each experts holder
-        torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size), **common)
+        torch_fully_shard(module, mesh=views.experts, shard_placement_fn=_expert_placement(shard_size),
+                          ignored_params=_kept_in(module, views), **common)
         module.set_gradient_divide_factor(float(divisor))
         # (only where a reduce-scatter runs: without one, torch 2.13 would then divide twice)
         if sum_only and shard_size > 1:
@@ -155,8 +161,8 @@ def fully_shard(
     layer_classes = set(getattr(inner, "_no_split_modules", None) or [])
     for module in inner.modules():
         if type(module).__name__ in layer_classes and module is not inner:
-            torch_fully_shard(module, mesh=dense, **common)
-    torch_fully_shard(inner, mesh=dense, **common)
+            torch_fully_shard(module, mesh=dense, ignored_params=_kept_in(module, views), **common)
+    torch_fully_shard(inner, mesh=dense, ignored_params=_kept_in(inner, views), **common)
     return model
 
 

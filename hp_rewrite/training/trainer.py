@@ -27,7 +27,6 @@ DeepSpeed and FSDP1 are refused: they would shard the rank-local experts as if t
 from __future__ import annotations
 
 import os
-import tempfile
 import types
 from pathlib import Path
 
@@ -39,7 +38,8 @@ from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import rewritten_model
-from .accelerator import deepspeed_refusal, expert_layout, leave_out_ddp, rank_and_world, refuse_unsupported
+from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
+from .rank_state import expert_layout, rank_and_world, write_atomically
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -65,14 +65,7 @@ def save_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) 
         for i, p in _indexed(optimizer, rank_local_parameters(model)).items() if p in inner.state
     }
     path = Path(directory) / EXPERT_OPTIMIZER_FILE.format(rank=rank, world=world)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-    os.close(fd)
-    try:
-        torch.save({"format": 1, "world": world, "experts": expert_layout(model), "state": state}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically({"format": 1, "world": world, "experts": expert_layout(model), "state": state}, path)
     return path
 
 
@@ -168,18 +161,13 @@ def prepare_trainer(trainer):
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
     peft = model is not trainer.model  # a PEFT model: Trainer saves and resumes only its adapters
-    if peft and getattr(trainer, "is_fsdp_enabled", False):
-        raise ExpertParallelError(
-            "prepare_trainer: a PEFT model with fsdp_config is not supported for an expert-parallel model; train "
-            "its adapters with the default DDP (no fsdp arguments)"
-        )
-    if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
-        return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
     if getattr(trainer, "is_fsdp_enabled", False):
-        return prepare_fsdp2_trainer(trainer, _save_model)
+        return prepare_fsdp2_trainer(trainer, _save_model, peft)
+    if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
+        return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     if getattr(trainer, "hp_rewrite_callback", None) is not None:
         return trainer
     callback = ExpertParallelCallback(trainer)

@@ -13,6 +13,12 @@ object gets:
   global expert tensors (``hp_rewrite_fsdp/`` in each checkpoint folder), whatever ``state_dict_type``
   says: accelerate's would keep one EP rank's experts (``FULL``) or write every EP rank's under the
   same names (``SHARDED``). The scheduler, scaler, RNG and trainer state are Trainer's own files.
+
+A PEFT model saves what trains, as Trainer saves a PEFT model: ``save_model`` and every checkpoint
+write the adapter as PEFT writes it (every rank joins the save: its state dict gathers the adapters,
+see :mod:`hp_rewrite.loading.adapters`), whatever ``state_dict_type`` says (Trainer's FSDP2 would
+gather the whole frozen base for it, or write nothing); a checkpoint adds each rank's optimizer state
+(:mod:`.rank_state`) and resuming reads the adapter back with PEFT's ``load_adapter``.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from .accelerator import prepare_accelerator
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .fsdp import clip_grad_norm_
+from .rank_state import load_optimizer, rank_and_world, save_optimizer
 
 #: the checkpoint folder's model-and-optimizer state
 FSDP_FOLDER = "hp_rewrite_fsdp"
 SCHEDULER_FILE = "scheduler.pt"  # Trainer's SCHEDULER_NAME
+#: a PEFT model's checkpoint: each rank's optimizer state (adapters only), beside the adapter
+ADAPTER_OPTIMIZER_FILE = "hp_rewrite_optimizer-rank{rank}-of-{world}.pt"
 
 
 def _is_sharded(trainer) -> bool:
@@ -44,8 +53,7 @@ def _inner_optimizer(optimizer):
 
 def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     save_checkpoint(self.model, _inner_optimizer(self.optimizer), Path(output_dir) / FSDP_FOLDER)
-    if self.args.should_save and self.lr_scheduler is not None:
-        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+    _save_scheduler(self, output_dir)
 
 
 def _folder(checkpoint: str) -> Path:
@@ -66,9 +74,57 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     if checkpoint is None:
         return
     load_checkpoint(self.model, _inner_optimizer(self.optimizer), _folder(checkpoint), model_weights=False)
+    _load_scheduler(self, checkpoint)
+
+
+def _save_scheduler(self, output_dir: str) -> None:
+    if self.args.should_save and self.lr_scheduler is not None:
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+
+def _load_scheduler(self, checkpoint: str) -> None:
     scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
     if self.lr_scheduler is not None and os.path.isfile(scheduler):
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _adapter_optimizer_file(output_dir: str) -> Path:
+    rank, world = rank_and_world()
+    return Path(output_dir) / ADAPTER_OPTIMIZER_FILE.format(rank=rank, world=world)
+
+
+def _save_adapter(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """Trainer.save_model of a PEFT model on every rank: the adapter gathered, written by the saving rank."""
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+    if self.args.should_save:
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _save_adapter_optimizer_and_scheduler(self, output_dir: str) -> None:
+    save_optimizer(_inner_optimizer(self.optimizer), self.model, _adapter_optimizer_file(output_dir))
+    _save_scheduler(self, output_dir)
+
+
+def _load_adapter_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    if not any(os.path.isfile(os.path.join(resume_from_checkpoint, f))
+               for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ExpertParallelError(
+            f"resume from {resume_from_checkpoint}: no adapter_model.safetensors; resume from a checkpoint written by "
+            "a Trainer passed to hp_rewrite.prepare_trainer"
+        )
+    self.model.load_adapter(resume_from_checkpoint, self.model.active_adapter, is_trainable=True)
+
+
+def _load_adapter_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    load_optimizer(_inner_optimizer(self.optimizer), self.model, _adapter_optimizer_file(checkpoint),
+                   f"resume from {checkpoint}")
+    _load_scheduler(self, checkpoint)
 
 
 def _load_best_model(self) -> None:
@@ -78,9 +134,9 @@ def _load_best_model(self) -> None:
     )
 
 
-def prepare_fsdp2_trainer(trainer, save_model_gathered):
+def prepare_fsdp2_trainer(trainer, save_model_gathered, peft: bool):
     """The FSDP2 part of :func:`hp_rewrite.prepare_trainer` (module doc); ``save_model_gathered`` is its
-    ``Trainer.save_model`` (every rank gathers, rank 0 writes)."""
+    ``Trainer.save_model`` (every rank gathers, rank 0 writes); ``peft``: the model is a PEFT model."""
     if getattr(trainer, "hp_rewrite_fsdp", False):
         return trainer
     if trainer.args.load_best_model_at_end:  # refused before training, not at its end
@@ -94,10 +150,15 @@ def prepare_fsdp2_trainer(trainer, save_model_gathered):
             return  # a SHARDED_STATE_DICT checkpoint holds its model in FSDP_FOLDER only, as Trainer's does
         save_model_gathered(self, output_dir, _internal_call)
 
-    trainer.save_model = types.MethodType(save_model, trainer)
-    trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
-    trainer._load_from_checkpoint = types.MethodType(_load_from_checkpoint, trainer)
-    trainer._load_optimizer_and_scheduler = types.MethodType(_load_optimizer_and_scheduler, trainer)
+    methods = {"save_model": save_model, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+               "_load_from_checkpoint": _load_from_checkpoint,
+               "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler}
+    if peft:
+        methods = {"save_model": _save_adapter, "_save_optimizer_and_scheduler": _save_adapter_optimizer_and_scheduler,
+                   "_load_from_checkpoint": _load_adapter_from_checkpoint,
+                   "_load_optimizer_and_scheduler": _load_adapter_optimizer_and_scheduler}
+    for name, method in methods.items():
+        setattr(trainer, name, types.MethodType(method, trainer))
     trainer._load_best_model = types.MethodType(_load_best_model, trainer)
     trainer.hp_rewrite_fsdp = True
     return trainer

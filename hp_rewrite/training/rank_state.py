@@ -1,0 +1,86 @@
+"""What one rank saves for itself when its optimizer state differs from every other rank's: the
+state of its own experts' adapters (and, under FSDP2, of its shard of every trainable tensor).
+
+A PEFT run saves its adapter as PEFT does (one file, gathered); what Adam keeps per parameter is
+saved beside it, one file per rank, as that rank holds it. Such a file resumes only onto the same
+world size and the same experts per rank, which is checked, with the way out in the message.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..runtime import ExpertParallelError
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def expert_layout(model) -> list[list[int]]:
+    """Which experts this rank holds, per experts holder: a saved state resumes only onto the same."""
+    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
+            if getattr(m, "hp_expert_parallel", None) is not None]
+
+
+def write_atomically(obj, path: Path) -> Path:
+    """``torch.save`` into a temporary file beside ``path``, then renamed: never a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _flat_params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def save_optimizer(optimizer, model, path: Path) -> Path:
+    """This rank's whole optimizer state (FSDP2's shards as this rank holds them) into ``path``."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: _local(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                      for i, entry in state["state"].items()}
+    world = rank_and_world()[1]
+    return write_atomically({"format": 1, "world": world, "experts": expert_layout(model), "state": state}, path)
+
+
+def load_optimizer(optimizer, model, path: Path, what: str) -> None:
+    """Put back what :func:`save_optimizer` wrote for this rank (same world and experts)."""
+    if not path.is_file():
+        found = sorted(p.name for p in path.parent.glob("*.pt"))
+        raise ExpertParallelError(
+            f"{what}: {path.parent} has no {path.name} (this rank's optimizer state; found {found or 'none'}). Resume "
+            "at the world size and plan (ep_size, placement) that wrote it"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved["experts"] != expert_layout(model):
+        raise ExpertParallelError(
+            f"{what}: this rank held other experts when {path.parent} was written; resume with the plan (ep_size, "
+            "placement) and world size of the run that wrote it"
+        )
+    state = saved["state"]
+    params = _flat_params(optimizer)
+    for i, entry in state["state"].items():
+        p = params[int(i)]
+        if isinstance(p, DTensor):  # this rank's shard, as FSDP2 holds it
+            entry.update({k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                                shape=p.shape, stride=p.stride())
+                          for k, v in entry.items() if torch.is_tensor(v) and v.shape == p.to_local().shape})
+    optimizer.load_state_dict(state)
