@@ -322,6 +322,22 @@ def case_accelerate_lora_experts(model_dir, out):
                                 max((optimizer.state[params[n]]["momentum_buffer"] - v).abs().max().item()
                                     for n, v in momentum.items()))
     result["state_files"] = sorted(os.listdir(out / "acc_lora_state" / "hp_rewrite_adapter_0"))
+    # accelerate's PEFT saving recipe: save_pretrained with accelerator.get_state_dict (every rank calls it)
+    from peft import PeftModel
+
+    unwrapped = accelerator.unwrap_model(prepared)
+    unwrapped.save_pretrained(out / "acc_recipe", is_main_process=accelerator.is_main_process,
+                              state_dict=accelerator.get_state_dict(prepared))
+    want = _lora_state(model)
+    if dist.get_rank() == 0:
+        got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / "acc_recipe"))
+        result["recipe_worst"] = max((got[k] - want[k]).abs().max().item() for k in want) if sorted(got) == sorted(
+            want) else float("inf")
+    try:
+        accelerator.save_model(prepared, str(out / "acc_full"))
+        result["save_model_refused"] = ""
+    except ExpertParallelError as e:
+        result["save_model_refused"] = str(e)
     return result
 
 

@@ -333,8 +333,13 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
     out["file_keys"] = sorted(got) == sorted(want)
     out["file_worst"] = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
     # plain PEFT's file read into the sharded model: each rank's shard of its experts' adapters, exactly
+    with torch.no_grad():  # zeroed first: what is compared afterwards is what the load wrote
+        for p in trainable.values():
+            p.zero_()
     peft_ep.load_adapter(ref_dir, adapter_name="default", is_trainable=True)
+    trainable = {n: p for n, p in peft_ep.named_parameters() if p.requires_grad}
     out["loaded_worst"] = worst(lambda p: p.detach())[0]
-    out["loaded_sharded"] = all(hasattr(p, "device_mesh") for p in trainable.values())
+    out["loaded_sharded"] = len(trainable) == out["trainable"] and all(hasattr(p, "device_mesh")
+                                                                       for p in trainable.values())
     out["dcp_refused"] = _error(lambda: hp_rewrite.save_checkpoint(peft_ep, opt, out_dir / "dcp"))
     return out

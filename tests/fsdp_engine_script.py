@@ -157,10 +157,12 @@ def case_accelerate(model_dir, out):
     return result
 
 
-def case_accelerate_lora(model_dir, out):
+def case_accelerate_lora(model_dir, out, presharded: bool = False):
     """accelerate's FSDP2 plugin, PEFT LoRA on attention and the experts: two AdamW steps with accumulation
     2 and clipping against the unmodified PEFT model; save_state after the first, load_state and the second
-    step again ends bit for bit where it ended; the state holds the adapter plain PEFT reads."""
+    step again ends bit for bit where it ended; the state holds the adapter plain PEFT reads.
+    ``presharded``: the user sharded the PEFT model with hp_rewrite.fully_shard before ``prepare``, which
+    keeps it as it is."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -180,6 +182,9 @@ def case_accelerate_lora(model_dir, out):
     ref.load_state_dict(_lora_state(model), strict=False)
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     mine = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)[:, rank]
+    if presharded:
+        hp_rewrite.fully_shard(model)
+    sharded = dict(model.named_parameters())
     prepared, optimizer = accelerator.prepare(model, _adamw([p for p in model.parameters() if p.requires_grad]))
     norms = []
 
@@ -198,7 +203,8 @@ def case_accelerate_lora(model_dir, out):
     ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum,
                                  _adamw([p for p in ref.parameters() if p.requires_grad]), 0.5)
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "norms": list(norms), "ref_norms": ref_norms,
-              "is_fsdp": True, **_sharding(prepared)}
+              "is_fsdp": True, **_sharding(prepared),
+              "kept": all(p is sharded[n] for n, p in prepared.named_parameters())}
     final = _params(prepared)
     accelerator.load_state(str(out / "state"))
     for batch in mine[accum:]:
@@ -209,6 +215,10 @@ def case_accelerate_lora(model_dir, out):
         plain = PeftModel.from_pretrained(_reference(model_dir), out / "state" / "hp_rewrite_adapter_0")
         result["state_adapter_keys"] = sorted(_lora_state(plain)) == sorted(_lora_state(ref))
     return result
+
+
+def case_accelerate_lora_presharded(model_dir, out):
+    return case_accelerate_lora(model_dir, out, presharded=True)
 
 
 def _forced_trainer_class(base):
@@ -371,6 +381,18 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
 
 def case_trainer_lora_fp8_kept(model_dir, out):
     return case_trainer_lora_experts(model_dir, out, kept_fp8=True)
+
+
+def case_ddp_trainer_lora(model_dir, out):
+    """The DDP Trainer case of tests/engine_script.py (LoRA on attention and the experts: DDP around the
+    model, the guard reducing the expert adapters), here in the 4-rank world: EP 2 x 2 data-parallel
+    replicas, each EP rank's adapters trained by two ranks."""
+    from accelerate.state import AcceleratorState
+
+    from tests.engine_script import case_trainer_lora_attention_experts
+
+    AcceleratorState._reset_state(True)  # accelerate's own CPU path (DDP), after the forced FSDP cases
+    return case_trainer_lora_attention_experts(model_dir, out)
 
 
 def case_trainer_full(model_dir, out):
@@ -565,6 +587,20 @@ def case_refusals(model_dir, out):
     samples = _samples(8, 2)
     trainer = _forced_trainer_class(Trainer)(model=_ep_model(model_dir, out), args=best, eval_dataset=samples)
     result["best_model"] = _error(lambda: hp_rewrite.prepare_trainer(trainer))
+    # PEFT under fsdp_config: a trainable weight outside the adapter (its checkpoints hold the adapter
+    # only), and adapters put in without PEFT's PeftModel (PEFT's inject_adapter_in_model; transformers'
+    # add_adapter wants a newer PEFT than the one installed)
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
+
+    saving = TrainingArguments(output_dir=str(out / "peft"), use_cpu=True, report_to=[], fsdp=True,
+                               fsdp_config=_fsdp_config(), save_strategy="steps")
+    lora = get_peft_model(_ep_model(model_dir, out), LoraConfig(r=2, target_modules=["q_proj"]))
+    lora.base_model.model.model.layers[0].mlp.gate.weight.requires_grad_(True)
+    trainer = _forced_trainer_class(Trainer)(model=lora, args=saving)
+    result["peft_unsaved"] = _error(lambda: hp_rewrite.prepare_trainer(trainer))
+    added = inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj"]), _ep_model(model_dir, out))
+    trainer = _forced_trainer_class(Trainer)(model=added, args=saving)
+    result["add_adapter"] = _error(lambda: hp_rewrite.prepare_trainer(trainer))
     AcceleratorState._reset_state(True)
     return result
 

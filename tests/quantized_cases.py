@@ -165,16 +165,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-def _kept_under_fsdp2(kept, peft_ref, config: dict, slicers: dict, ids: torch.Tensor, mine: slice) -> dict:
-    """hp_rewrite.fully_shard of a PEFT model on kept experts: the codes left as they are, the adapters and
-    the rest sharded; one SGD step from ``peft_ref``'s adapters, against it on the whole batch."""
+def _kept_under_fsdp2(kept, peft_ref, config: dict, ids: torch.Tensor, mine: slice) -> dict:
+    """hp_rewrite.fully_shard of a PEFT model on kept experts (``kept``: at EP 2 over 4 ranks, so the
+    expert adapters are sharded over 2 expert replicas): the codes left as they are, the adapters and the
+    rest sharded; one SGD step from ``peft_ref``'s adapters, against it on the whole batch."""
     from peft import get_peft_model
 
     from hp_rewrite.runtime.quantized import QuantizedWeight
     from tests.fsdp_cases import _full
-    from tests.peft_cases import copy_local_adapters
+    from tests.peft_cases import copy_local_adapters, expert_slicers
 
     peft_fs = get_peft_model(kept, type(peft_ref.peft_config["default"])(**config))
+    slicers = expert_slicers(peft_fs, peft_ref)
     copy_local_adapters(peft_fs, peft_ref, slicers)
     hp_rewrite.fully_shard(peft_fs)
     peft_ref.zero_grad()
@@ -192,6 +194,8 @@ def _kept_under_fsdp2(kept, peft_ref, config: dict, slicers: dict, ids: torch.Te
     out["fsdp_step_worst"] = worst(lambda p: p.detach())
     out["fsdp_codes_kept"] = sum(isinstance(p, QuantizedWeight) for p in peft_fs.parameters())
     out["fsdp_adapters_sharded"] = all(hasattr(p, "device_mesh") for p in trainable.values())
+    expert_adapter = next(p for n, p in trainable.items() if n in slicers)
+    out["fsdp_expert_adapter_mesh"] = expert_adapter.device_mesh.size()
     return out
 
 
@@ -216,7 +220,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
         model_dir, r = Path(model_dir), {}
         out[name] = r
 
-        def load_kept(name=name, model_dir=model_dir):
+        def load_kept(name=name, model_dir=model_dir, plan=plan):
             if name.startswith("gpt_oss"):  # as a gpt-oss recipe writes it, under auto_patch
                 with hp_rewrite.auto_patch(plan, artifact_dir=art):
                     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -304,7 +308,8 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             r["dcp_refused"] = ""
         except Exception as e:  # noqa: BLE001
             r["dcp_refused"] = str(e)
-        r.update(_kept_under_fsdp2(load_kept(), peft_ref, config, slicers, ids, mine))
+        r.update(_kept_under_fsdp2(load_kept(plan=parse_plan("version: 1\nep_size: 2\n")), peft_ref, config, ids,
+                                   mine))
         holder = next(m for m in kept.modules() if getattr(m, "hp_expert_parallel", None) is not None)
         weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
         getattr(holder, weight).requires_grad_(True)

@@ -238,6 +238,9 @@ def test_ddp_around_expert_adapters_only_is_refused_and_accelerate_leaves_it_out
         # save_state / load_state: the adapter as PEFT saves it, each rank's optimizer, put back exactly
         assert r["state_worst"] == 0.0 and {"adapter_model.safetensors", "optimizer-rank0-of-2.pt",
                                              "optimizer-rank1-of-2.pt"} <= set(r["state_files"]), r
+        assert "carries PEFT adapters" in r["save_model_refused"], r  # a full checkpoint would hold PEFT's names
+    # accelerate's PEFT recipe (save_pretrained with get_state_dict): plain PEFT reads the adapter bit for bit
+    assert engine_results["accelerate_lora_experts"][0]["recipe_worst"] == 0.0, engine_results["accelerate_lora_experts"][0]
     for r in engine_results["trainer_experts_only"]:  # the experts alone trained in full: no DDP either
         assert r["wrapped"] == "Qwen3MoeForCausalLM", r
 

@@ -2,7 +2,7 @@
 ``fsdp_config`` version 2) on an expert-parallel model: forced onto accelerate's real FSDP2 path on a
 CPU, asserted to come back as FSDP2 with the experts over the expert-replica mesh, and compared with
 the unmodified model (tests/fsdp_engine_script.py). Two torchrun worlds: EP=2 on 2 ranks, EP=2 x 2
-expert replicas on 4."""
+expert replicas on 4 (which also runs the DDP Trainer's LoRA case at EP 2 x 2 data-parallel replicas)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from tests.training_cases import TOL
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
-             "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora", "refusals"]
-FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts"]
+             "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora",
+             "accelerate_lora_presharded", "refusals"]
+FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
+              "accelerate_lora", "ddp_trainer_lora"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 # bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
 # so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
@@ -141,6 +143,17 @@ def test_trainer_fsdp2_lora_on_the_experts_saves_and_resumes_as_peft(world: int,
     assert not any(f.startswith(("model", "hp_rewrite_fsdp", "pytorch_model")) for f in r0["files"]), r0["files"]
 
 
+def test_ddp_trainer_lora_at_ep2_by_two_replicas(four) -> None:
+    """DDP (the Trainer's default), LoRA on attention and the experts, EP 2 x 2 data-parallel replicas:
+    each EP rank's adapters trained by two ranks, exact, saved as plain PEFT's, resumed bit for bit."""
+    results = four["ddp_trainer_lora"]
+    for r in results:
+        assert r["wrapped"] == "DistributedDataParallel", r
+        _exact(r)
+        assert r["resume_worst"] == 0.0, r
+    assert results[0]["reload_final"] == 0.0 and results[0]["reload_checkpoint-3"] == 0.0, results[0]
+
+
 def test_trainer_fsdp2_lora_on_kept_fp8_experts(two) -> None:
     """A DeepSeek-V3 block-FP8 checkpoint, experts kept as codes (FSDP2 leaves them as loaded), LoRA on
     every Linear and the experts: exact against the dequantised unmodified model, resumed bit for bit."""
@@ -153,14 +166,18 @@ def test_trainer_fsdp2_lora_on_kept_fp8_experts(two) -> None:
     assert results[0]["reload_final"] == 0.0 and results[0]["reload_checkpoint-3"] == 0.0, results[0]
 
 
-def test_accelerate_fsdp2_lora_on_the_experts_equals_unmodified_and_resumes(two) -> None:
-    for r in two["accelerate_lora"]:
-        _sharded_as_fully_shard(r, 2)
+@pytest.mark.parametrize("world,case", [(2, "accelerate_lora"), (2, "accelerate_lora_presharded"),
+                                        (4, "accelerate_lora")])
+def test_accelerate_fsdp2_lora_on_the_experts_equals_unmodified_and_resumes(world: int, case: str, request) -> None:
+    results = request.getfixturevalue({2: "two", 4: "four"}[world])[case]
+    for r in results:
+        _sharded_as_fully_shard(r, world)
         _exact(r)
+        assert r["kept"] or case == "accelerate_lora", r  # a model sharded by fully_shard: kept as it is
         assert r["resume_worst"] == 0.0, r  # load_state: adapters and AdamW state put back bit for bit
-        assert {"adapter_model.safetensors", "optimizer-rank0-of-2.pt", "optimizer-rank1-of-2.pt"} <= set(
+        assert {"adapter_model.safetensors", *(f"optimizer-rank{i}-of-{world}.pt" for i in range(world))} <= set(
             r["state_files"]), r["state_files"]
-    assert two["accelerate_lora"][0]["state_adapter_keys"], two["accelerate_lora"][0]
+    assert results[0]["state_adapter_keys"], results[0]
 
 
 def test_sft_trainer_fsdp2_lora_with_its_defaults_within_bf16_tolerance(two) -> None:
@@ -187,3 +204,5 @@ def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
         assert "DeepSpeed (ZeRO)" in r["deepspeed"], r
         assert "meta device" in r["meta"] and "each rank's own experts" in r["meta"], r
         assert "load_best_model_at_end" in r["best_model"], r
+        assert "modules_to_save" in r["peft_unsaved"] and "mlp.gate.weight" in r["peft_unsaved"], r
+        assert "peft.get_peft_model" in r["add_adapter"], r

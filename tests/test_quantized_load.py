@@ -105,7 +105,9 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert "write into an expert weight kept quantised" in kept["merge_refused"], kept
             assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
             # under hp_rewrite.fully_shard: the codes left as loaded, the adapters sharded, one more step exact
+            # (at EP 2: twice the experts per rank, their adapters sharded over the 2 expert replicas)
             assert kept["fsdp_codes_kept"] == kept["kept"] and kept["fsdp_adapters_sharded"], (name, rank, kept)
+            assert kept["fsdp_expert_adapter_mesh"] == 2, (name, rank, kept)
             assert kept["fsdp_grad_worst"] <= TOL and kept["fsdp_step_worst"] <= TOL, (name, rank, kept)
             assert "keeps its experts quantised (dequantize=False)" in kept["dcp_refused"], kept
         assert ranks[0]["kept"][name]["saved_mismatched"] == []  # a full save: the dequantised checkpoint

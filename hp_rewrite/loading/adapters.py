@@ -166,12 +166,9 @@ def _adapters_in(module: nn.Module, state_dict: dict, prefix: str, what: str) ->
     return [(f"{prefix}{a.key}", a) for a in adapters if f"{prefix}{a.key}" in state_dict]
 
 
-def _sharded_adapters(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
-    """``(key, parameter)`` of every PEFT adapter tensor below ``module`` (the ``adapter_layer_names``
-    of its tuner layers: LoRA's factors and the like) when FSDP2 (hp_rewrite.fully_shard, or an engine's
-    through it) has sharded the model; empty otherwise."""
-    if getattr(getattr(module, "hp_rewrite", None), "fsdp", None) is None:
-        return []
+def adapter_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Parameter]]:
+    """``(state-dict key, parameter)`` of every PEFT adapter tensor below ``module``: the
+    ``adapter_layer_names`` of its tuner layers (LoRA's factors and the like)."""
     found = []
     for path, m in module.named_modules():
         for layer in getattr(m, "adapter_layer_names", ()):
@@ -179,6 +176,14 @@ def _sharded_adapters(module: nn.Module, prefix: str) -> list[tuple[str, nn.Para
             for name, p in factors.named_parameters() if isinstance(factors, nn.Module) else ():
                 found.append((prefix + state_dict_name(f"{path}.{layer}.{name}" if path else f"{layer}.{name}"), p))
     return found
+
+
+def _sharded_adapters(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+    """:func:`adapter_tensors` when FSDP2 (hp_rewrite.fully_shard, or an engine's through it) has
+    sharded the model; empty otherwise."""
+    if getattr(getattr(module, "hp_rewrite", None), "fsdp", None) is None:
+        return []
+    return adapter_tensors(module, prefix)
 
 
 def install_adapter_state_hooks(model: nn.Module) -> None:

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
-from ..runtime import local_rows
+from ..runtime import ExpertParallelError, local_rows
 from .checkpoint_files import expert_slices, foreign_experts, natural_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -272,6 +272,13 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
     FSDP2's mesh, its experts over the EP group) to global rank 0, which holds at most that layer and
     one shard being filled.
     """
+    if any(hasattr(m, "adapter_layer_names") for m in model.modules()):  # PEFT's tuner layers, not merged away
+        raise ExpertParallelError(
+            "save_pretrained: the model carries PEFT adapters; a full checkpoint of it would hold PEFT's names "
+            "(base_layer, lora_A), which plain transformers does not load. Save the adapter with "
+            "peft_model.save_pretrained(dir) on every rank, or merge it first (merged = peft_model.merge_and_unload()) "
+            "and save the merged model"
+        )
     distributed = _is_distributed()
     rank = dist.get_rank() if distributed else 0
     out = Path(out_dir)

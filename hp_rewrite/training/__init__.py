@@ -34,6 +34,41 @@ def rewritten_model(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def peft_model_of(model: nn.Module, what: str) -> nn.Module | None:
+    """The PEFT ``PeftModel`` that is ``model`` (or that a DDP / compile wrapper holds): its adapter is
+    what trains and what is saved. None for a model without adapters. Adapters put in another way
+    (transformers' ``add_adapter``, PEFT's ``inject_adapter_in_model``) are refused: their state is
+    neither PEFT's files nor the model's, so no checkpoint here could resume them. Trainable parameters
+    outside the adapter PEFT saves are refused too (:func:`refuse_unsaved_trainables`)."""
+    if not any(hasattr(m, "adapter_layer_names") for m in model.modules()):  # no tuner layer: no adapter
+        return None
+    from peft import PeftModel  # installed: something put its tuner layers in the model
+
+    found = next((m for m in model.modules() if isinstance(m, PeftModel)), None)  # FSDP2's subclass too
+    if found is None:
+        raise ExpertParallelError(
+            f"{what}: the model carries adapters that are not inside a PEFT PeftModel (transformers' add_adapter or "
+            "PEFT's inject_adapter_in_model); wrap the expert-parallel model with peft.get_peft_model(model, config) "
+            "instead, which saves and resumes as PEFT does"
+        )
+    return found
+
+
+def refuse_unsaved_trainables(peft: nn.Module, what: str) -> None:
+    """An adapter checkpoint holds what PEFT saves (its adapter layers, ``modules_to_save``): a trainable
+    parameter outside them would resume at its old value with newer optimizer state, silently."""
+    saved = {id(p) for m in peft.modules() if hasattr(m, "adapter_layer_names") or hasattr(m, "modules_to_save")
+             for layer in (*getattr(m, "adapter_layer_names", ()), "modules_to_save")
+             if isinstance(getattr(m, layer, None), nn.Module) for p in getattr(m, layer).parameters()}
+    unsaved = [n for n, p in peft.named_parameters() if p.requires_grad and id(p) not in saved]
+    if unsaved:
+        raise ExpertParallelError(
+            f"{what}: {unsaved[0]}{f' (and {len(unsaved) - 1} more)' if len(unsaved) > 1 else ''} trains but is not "
+            "part of the adapter PEFT saves, so "
+            "a checkpoint would not hold it; name its module in LoraConfig(modules_to_save=[...]) or freeze it"
+        )
+
+
 def info_of(model: nn.Module, what: str):
     """``model.hp_rewrite`` of the rewritten model inside ``model``, or a clear error."""
     inner = rewritten_model(model)

@@ -15,10 +15,13 @@ its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` ch
   accelerate's own norm misses the other EP ranks' experts);
 * ``save_state`` / ``load_state``: the model and its optimizer as one ``torch.distributed.checkpoint``
   with global expert tensors (:mod:`hp_rewrite.training.checkpoint`), whatever ``state_dict_type``
-  says (rank 0 alone cannot hold every rank's experts' optimizer state); a PEFT model with adapters on
-  the experts as its adapter (PEFT's files, full shapes) and each rank's optimizer state; the rest
-  (schedulers, samplers, RNG, custom objects) by accelerate;
-* ``get_state_dict`` / ``save_model``: the full model, experts gathered over the EP group.
+  says (rank 0 alone cannot hold every rank's experts' optimizer state); a PEFT model as its adapter
+  (PEFT's files, full shapes) and each rank's optimizer state; the rest (schedulers, samplers, RNG,
+  custom objects) by accelerate;
+* ``get_state_dict`` / ``save_model``: the full model, experts gathered over the EP group. For a PEFT
+  model ``get_state_dict`` holds its adapter tensors whole, under PEFT's names, on every rank (what
+  accelerate's PEFT recipe passes to ``save_pretrained(state_dict=...)``; every rank calls it), and
+  ``save_model`` is refused (a full checkpoint would hold PEFT's names): save the adapter.
 
 DeepSpeed, FSDP1 and tensor or context parallelism in the ``parallelism_config`` are refused.
 """
@@ -32,15 +35,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
+from ..loading.adapters import adapter_tensors
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import trains_rank_local_only
-from . import info_of, rewritten_model
+from . import info_of, peft_model_of, refuse_unsaved_trainables, rewritten_model
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
-from .rank_state import load_optimizer, rank_and_world, save_optimizer
+from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
 STATE_FOLDER = "hp_rewrite_model_{i}"
@@ -147,12 +152,16 @@ def _plugin_for_ep(accelerator, presharded: bool, models: list[nn.Module]):
         plugin.auto_wrap_policy = None
     owners = _kept_owners(models)
     if owners:
-        if isinstance(plugin.ignored_modules, str):
+        if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # accelerate moves ignored modules to the device
             raise ExpertParallelError(
-                "accelerate prepare: the model keeps experts quantised, which FSDP2 must leave out, and the FSDP "
-                "plugin names its ignored_modules by a pattern; pass them as a list of modules instead"
+                "accelerate prepare: the model keeps experts quantised, which FSDP2 leaves out, and CPU offload would "
+                "move their holders' sharded weights behind FSDP2's back; train without cpu_offload, or load the "
+                "experts with dequantize=True"
             )
-        plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
+        users = plugin.ignored_modules
+        if isinstance(users, str):  # accelerate's own reading of a pattern: module names it fully matches
+            users = [m for model in models for name, m in model.named_modules() if re.fullmatch(users, name)]
+        plugin.ignored_modules = [*(users or []), *owners]
     try:
         yield
     finally:
@@ -194,8 +203,7 @@ def _latest_state(accelerator) -> str:
 
 def _peft_model(accelerator, model: nn.Module):
     """The PEFT model inside a prepared ``model`` (its adapter is what trains and what is saved), or None."""
-    unwrapped = accelerator.unwrap_model(model)
-    return unwrapped if hasattr(unwrapped, "peft_config") else None
+    return peft_model_of(accelerator.unwrap_model(model), "prepare_accelerator")
 
 
 def _optimizer_file(folder: Path) -> Path:
@@ -206,6 +214,7 @@ def _optimizer_file(folder: Path) -> Path:
 def save_adapter_state(peft, optimizer, folder: Path, main: bool) -> None:
     """A PEFT model: the adapter as PEFT saves it (full shapes, every rank joins the gathering save) and
     each rank's whole optimizer state (adapters only: small; FSDP2's shards as this rank holds them)."""
+    refuse_unsaved_trainables(peft, "save_state")
     folder.mkdir(parents=True, exist_ok=True)
     peft.save_pretrained(folder, is_main_process=main)
     if optimizer is not None:
@@ -216,7 +225,7 @@ def load_adapter_state(peft, optimizer, folder: Path) -> None:
     """Put back what :func:`save_adapter_state` wrote: the active adapter through PEFT's ``load_adapter``
     (each rank keeps its experts' slices, its FSDP2 shards), this rank's optimizer state (same world and
     experts)."""
-    peft.load_adapter(folder, adapter_name=peft.active_adapter, is_trainable=True)
+    load_active_adapter(peft, folder, "load_state")
     if optimizer is not None:
         load_optimizer(optimizer, peft, _optimizer_file(folder), "load_state")
 
@@ -310,6 +319,10 @@ def prepare_accelerator(accelerator):
                 load_checkpoint(model, inner, folder)
 
     def get_state_dict_ep(model, unwrap=True):
+        peft = _peft_model(accelerator, model) if _is_ep_model(model) else None
+        if peft is not None:  # what PEFT's save_pretrained(state_dict=...) reads: the adapters, whole
+            keys = {key for key, _ in adapter_tensors(peft)}
+            return {k: v for k, v in peft.state_dict().items() if k in keys}  # collective (module doc)
         if _is_ep_model(model):
             return full_state_dict(rewritten_model(model))
         return type(accelerator).get_state_dict(accelerator, model, unwrap)

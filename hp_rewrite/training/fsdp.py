@@ -34,7 +34,7 @@ from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_modules
 from ..runtime.groups import EP_DIM, backend_name, check_mesh
 from ..runtime.quantized import QuantizedWeight
-from . import info_of, rewritten_model
+from . import info_of, peft_model_of, rewritten_model
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,10 @@ def fully_shard(
     for module in inner.modules():
         if type(module).__name__ in layer_classes and module is not inner:
             torch_fully_shard(module, mesh=dense, ignored_params=_kept_in(module, views), **common)
-    torch_fully_shard(inner, mesh=dense, ignored_params=_kept_in(inner, views), **common)
+    # the root: the outermost model (PEFT's PeftModel around it too), so that an engine given the model
+    # afterwards (accelerate's prepare) finds it already sharded and keeps it as it is
+    root = peft_model_of(model, "fully_shard") or inner
+    torch_fully_shard(root, mesh=dense, ignored_params=_kept_in(root, views), **common)
     return model
 
 

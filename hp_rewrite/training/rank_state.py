@@ -19,6 +19,20 @@ from torch.distributed.tensor import DTensor
 from ..runtime import ExpertParallelError
 
 
+def load_active_adapter(peft, folder: Path, what: str) -> None:
+    """The active adapter back from ``folder``, where PEFT's ``save_pretrained`` wrote it (an adapter
+    not named ``default`` in its own sub-folder), through PEFT's ``load_adapter``: each rank keeps its
+    experts' slices and its FSDP2 shards. Read to the host first (PEFT's default is the accelerator)."""
+    name = peft.active_adapter
+    source = Path(folder) if name == "default" else Path(folder) / name
+    if not any((source / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ExpertParallelError(
+            f"{what}: {source} has no adapter_model.safetensors for the active adapter {name!r}; resume from a "
+            "checkpoint written by a Trainer or Accelerator prepared by hp-rewrite"
+        )
+    peft.load_adapter(source, adapter_name=name, is_trainable=True, torch_device="cpu")
+
+
 def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -48,6 +62,12 @@ def _flat_params(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _shards(optimizer) -> list:
+    """How each parameter is split (FSDP2's mesh shape and placements; None when whole)."""
+    return [[list(p.device_mesh.shape), str(p.placements)] if isinstance(p, DTensor) else None
+            for p in _flat_params(optimizer)]
+
+
 def _local(value):
     return value.to_local() if isinstance(value, DTensor) else value
 
@@ -58,7 +78,8 @@ def save_optimizer(optimizer, model, path: Path) -> Path:
     state["state"] = {i: {k: _local(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
                       for i, entry in state["state"].items()}
     world = rank_and_world()[1]
-    return write_atomically({"format": 1, "world": world, "experts": expert_layout(model), "state": state}, path)
+    return write_atomically({"format": 1, "world": world, "experts": expert_layout(model),
+                             "shards": _shards(optimizer), "state": state}, path)
 
 
 def load_optimizer(optimizer, model, path: Path, what: str) -> None:
@@ -74,6 +95,11 @@ def load_optimizer(optimizer, model, path: Path, what: str) -> None:
         raise ExpertParallelError(
             f"{what}: this rank held other experts when {path.parent} was written; resume with the plan (ep_size, "
             "placement) and world size of the run that wrote it"
+        )
+    if saved.get("shards", _shards(optimizer)) != _shards(optimizer):
+        raise ExpertParallelError(
+            f"{what}: the parameters were sharded otherwise when {path.parent} was written (another FSDP2 mesh, or "
+            "none); resume with the engine settings (FSDP2 or not, its mesh) of the run that wrote it"
         )
     state = saved["state"]
     params = _flat_params(optimizer)

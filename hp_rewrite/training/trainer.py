@@ -37,7 +37,7 @@ from ..loading.adapters import has_expert_adapters
 from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
-from . import rewritten_model
+from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, write_atomically
 from .trainer_fsdp import prepare_fsdp2_trainer
@@ -160,7 +160,7 @@ def prepare_trainer(trainer):
             "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
-    peft = model is not trainer.model  # a PEFT model: Trainer saves and resumes only its adapters
+    peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from ..runtime import ExpertParallelError
+from . import refuse_unsaved_trainables
 from .accelerator import prepare_accelerator
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .fsdp import clip_grad_norm_
-from .rank_state import load_optimizer, rank_and_world, save_optimizer
+from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
 
 #: the checkpoint folder's model-and-optimizer state
 FSDP_FOLDER = "hp_rewrite_fsdp"
@@ -110,13 +111,7 @@ def _save_adapter_optimizer_and_scheduler(self, output_dir: str) -> None:
 
 
 def _load_adapter_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-    if not any(os.path.isfile(os.path.join(resume_from_checkpoint, f))
-               for f in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise ExpertParallelError(
-            f"resume from {resume_from_checkpoint}: no adapter_model.safetensors; resume from a checkpoint written by "
-            "a Trainer passed to hp_rewrite.prepare_trainer"
-        )
-    self.model.load_adapter(resume_from_checkpoint, self.model.active_adapter, is_trainable=True)
+    load_active_adapter(self.model, resume_from_checkpoint, f"resume from {resume_from_checkpoint}")
 
 
 def _load_adapter_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -141,6 +136,8 @@ def prepare_fsdp2_trainer(trainer, save_model_gathered, peft: bool):
         return trainer
     if trainer.args.load_best_model_at_end:  # refused before training, not at its end
         _load_best_model(trainer)
+    if peft and trainer.args.save_strategy != "no":  # its checkpoints hold the adapter only
+        refuse_unsaved_trainables(trainer.model, "prepare_trainer")
     prepare_accelerator(trainer.accelerator)
     trainer._has_mixed_mesh_grads = lambda model: True  # Trainer then asks _mixed_mesh_grad_norm
     trainer._mixed_mesh_grad_norm = lambda model, max_norm: clip_grad_norm_(model.parameters(), max_norm)
