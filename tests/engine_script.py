@@ -169,6 +169,21 @@ def _lora_worst(model, ref) -> float:
     return max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item() for k in want)
 
 
+def _plain_peft_reads(model, model_dir, folders: dict, load_ref=None) -> dict:
+    """``reload_<name>``: the largest difference between ``model``'s adapters and what plain transformers +
+    PEFT read from each saved folder (rank 0; every rank joins the gathering state dict)."""
+    from peft import PeftModel
+
+    want = _lora_state(model)
+    if dist.get_rank() != 0:
+        return {}
+    found = {}
+    for name, folder in folders.items():
+        got = _lora_state(PeftModel.from_pretrained((load_ref or _reference)(model_dir), folder))
+        found[f"reload_{name}"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return found
+
+
 def _own_expert_adapters(model) -> None:
     """Draw each rank's expert adapters from a generator of its own: every expert's differ, so an
     expert gathered into the wrong place shows (the expert replicas of an EP rank alike)."""
@@ -371,7 +386,7 @@ def case_sft_lora_experts(model_dir, out):
     fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and
     on the unmodified model with the same adapters in the same world (the load-balancing loss is per
     rank's micro-batch in both); save_model writes the adapter plain PEFT reads."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
 
     config = dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
@@ -387,10 +402,7 @@ def case_sft_lora_experts(model_dir, out):
               "grad_norm": [h["grad_norm"] for h in ep.state.log_history if "grad_norm" in h],
               "ref_norms": [h["grad_norm"] for h in reference.state.log_history if "grad_norm" in h]}
     ep.save_model(str(out / "sft" / "final"))
-    want = _lora_state(model)
-    if dist.get_rank() == 0:
-        got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / "sft" / "final"))
-        result["reload_final"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    result.update(_plain_peft_reads(model, model_dir, {"final": out / "sft" / "final"}))
     return result
 
 

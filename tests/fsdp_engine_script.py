@@ -472,9 +472,9 @@ def case_sft_lora_bf16(model_dir, out):
     """SFTTrainer with SFTConfig's defaults (bf16, activation checkpointing, the load-balancing loss) and
     fsdp_config version 2, LoRA on attention and the experts (PEFT's init), against SFTTrainer on the
     unmodified PEFT model under the same FSDP2 policy; save_model writes the adapter plain PEFT reads."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
-    from tests.engine_script import _lora_state, _own_expert_adapters
+    from tests.engine_script import _lora_state, _own_expert_adapters, _plain_peft_reads
 
     def _lora_worst(model, ref, part: str = "") -> tuple[float, str]:  # the reference's: FSDP2 shards, gathered
         got, want = _lora_state(model), {k: _full(v) for k, v in ref.state_dict().items() if "lora_" in k}
@@ -503,10 +503,7 @@ def case_sft_lora_bf16(model_dir, out):
               "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "ref_losses": [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]}
     trainer.save_model(str(out / "ep" / "final"))
-    want = _lora_state(model)
-    if dist.get_rank() == 0:
-        got = _lora_state(PeftModel.from_pretrained(_reference(model_dir), out / "ep" / "final"))
-        result["reload_final"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    result.update(_plain_peft_reads(model, model_dir, {"final": out / "ep" / "final"}))
     return result
 
 

@@ -82,13 +82,15 @@ def save_optimizer(optimizer, model, path: Path) -> Path:
                              "shards": _shards(optimizer), "state": state}, path)
 
 
-def load_optimizer(optimizer, model, path: Path, what: str) -> None:
-    """Put back what :func:`save_optimizer` wrote for this rank (same world and experts)."""
+def read_rank_file(path: Path, model, what: str) -> dict:
+    """This rank's file, written by :func:`write_atomically` with ``experts``: refused when it is missing
+    or was written by a rank holding other experts."""
     if not path.is_file():
         found = sorted(p.name for p in path.parent.glob("*.pt"))
         raise ExpertParallelError(
             f"{what}: {path.parent} has no {path.name} (this rank's optimizer state; found {found or 'none'}). Resume "
-            "at the world size and plan (ep_size, placement) that wrote it"
+            "at the world size and plan (ep_size, placement) that wrote it, from a checkpoint written by a Trainer or "
+            "Accelerator prepared by hp-rewrite (a save_only_model checkpoint starts the optimizer afresh)"
         )
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if saved["experts"] != expert_layout(model):
@@ -96,6 +98,12 @@ def load_optimizer(optimizer, model, path: Path, what: str) -> None:
             f"{what}: this rank held other experts when {path.parent} was written; resume with the plan (ep_size, "
             "placement) and world size of the run that wrote it"
         )
+    return saved
+
+
+def load_optimizer(optimizer, model, path: Path, what: str) -> None:
+    """Put back what :func:`save_optimizer` wrote for this rank (same world, experts and shards)."""
+    saved = read_rank_file(path, model, what)
     if saved.get("shards", _shards(optimizer)) != _shards(optimizer):
         raise ExpertParallelError(
             f"{what}: the parameters were sharded otherwise when {path.parent} was written (another FSDP2 mesh, or "

@@ -39,7 +39,7 @@ from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
-from .rank_state import expert_layout, rank_and_world, write_atomically
+from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
 from .trainer_fsdp import prepare_fsdp2_trainer
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -73,20 +73,7 @@ def load_expert_optimizer_state(optimizer, model, directory: str | os.PathLike) 
     """Put back what :func:`save_expert_optimizer_state` wrote for this rank (same world and experts)."""
     rank, world = rank_and_world()
     path = Path(directory) / EXPERT_OPTIMIZER_FILE.format(rank=rank, world=world)
-    if not path.is_file():
-        found = sorted(p.name for p in Path(directory).glob("hp_rewrite_expert_optimizer-*"))
-        raise ExpertParallelError(
-            f"resume from {directory}: no optimizer state for the experts of rank {rank} of {world} ({path.name}; "
-            f"found {found or 'none'}). Resume at the world size and EP size the checkpoint was written with, "
-            "from a checkpoint written by a Trainer passed to hp_rewrite.prepare_trainer, or with "
-            "save_only_model checkpoints start the optimizer afresh"
-        )
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved["experts"] != expert_layout(model):
-        raise ExpertParallelError(
-            f"resume from {directory}: rank {rank} held other experts when the checkpoint was written; resume "
-            "with the plan (ep_size, placement) and world size of the run that wrote it"
-        )
+    saved = read_rank_file(path, model, f"resume from {directory}")
     inner = _inner_optimizer(optimizer)
     params = _indexed(optimizer, rank_local_parameters(model))
     for i, entry in saved["state"].items():
