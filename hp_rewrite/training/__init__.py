@@ -34,18 +34,19 @@ def rewritten_model(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def peft_model_of(model: nn.Module, what: str) -> nn.Module | None:
+def peft_model_of(model: nn.Module, what: str, refuse_others: bool = True) -> nn.Module | None:
     """The PEFT ``PeftModel`` that is ``model`` (or that a DDP / compile wrapper holds): its adapter is
     what trains and what is saved. None for a model without adapters. Adapters put in another way
     (transformers' ``add_adapter``, PEFT's ``inject_adapter_in_model``) are refused: their state is
     neither PEFT's files nor the model's, so no checkpoint here could resume them. Trainable parameters
-    outside the adapter PEFT saves are refused too (:func:`refuse_unsaved_trainables`)."""
+    outside the adapter PEFT saves are refused too (:func:`refuse_unsaved_trainables`). With
+    ``refuse_others=False`` such a model gives None (nothing here saves it)."""
     if not any(hasattr(m, "adapter_layer_names") for m in model.modules()):  # no tuner layer: no adapter
         return None
     from peft import PeftModel  # installed: something put its tuner layers in the model
 
     found = next((m for m in model.modules() if isinstance(m, PeftModel)), None)  # FSDP2's subclass too
-    if found is None:
+    if found is None and refuse_others:
         raise ExpertParallelError(
             f"{what}: the model carries adapters that are not inside a PEFT PeftModel (transformers' add_adapter or "
             "PEFT's inject_adapter_in_model); wrap the expert-parallel model with peft.get_peft_model(model, config) "

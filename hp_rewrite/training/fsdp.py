@@ -164,7 +164,7 @@ def fully_shard(
             torch_fully_shard(module, mesh=dense, ignored_params=_kept_in(module, views), **common)
     # the root: the outermost model (PEFT's PeftModel around it too), so that an engine given the model
     # afterwards (accelerate's prepare) finds it already sharded and keeps it as it is
-    root = peft_model_of(model, "fully_shard") or inner
+    root = peft_model_of(model, "fully_shard", refuse_others=False) or inner
     torch_fully_shard(root, mesh=dense, ignored_params=_kept_in(root, views), **common)
     return model
 
