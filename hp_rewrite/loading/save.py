@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
-from ..runtime import ExpertParallelError, local_rows
+from ..runtime import ExpertParallelError, has_tuner_layers, local_rows
 from .checkpoint_files import expert_slices, foreign_experts, natural_key
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -272,7 +272,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
     FSDP2's mesh, its experts over the EP group) to global rank 0, which holds at most that layer and
     one shard being filled.
     """
-    if any(hasattr(m, "adapter_layer_names") for m in model.modules()):  # PEFT's tuner layers, not merged away
+    if has_tuner_layers(model):
         raise ExpertParallelError(
             "save_pretrained: the model carries PEFT adapters; a full checkpoint of it would hold PEFT's names "
             "(base_layer, lora_A), which plain transformers does not load. Save the adapter with "

@@ -25,6 +25,7 @@ from .experts import (
 from .gradients import (
     GradientSync,
     expert_parameters,
+    has_tuner_layers,
     rank_local_names,
     rank_local_parameters,
     sync_gradients,
@@ -97,6 +98,7 @@ __all__ = [
     "GradientSync",
     "expert_modules",
     "expert_parameters",
+    "has_tuner_layers",
     "holder_of",
     "rank_local_names",
     "rank_local_parameters",

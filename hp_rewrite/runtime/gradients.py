@@ -46,6 +46,12 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def has_tuner_layers(model: nn.Module) -> bool:
+    """Whether PEFT's tuner layers (modules with ``adapter_layer_names``: LoRA and the like) are in
+    ``model``, put there by ``get_peft_model`` or otherwise, and not merged away."""
+    return any(hasattr(m, "adapter_layer_names") for m in model.modules())
+
+
 def rank_local_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every module whose parameters exist only on this EP rank: the experts
     holders and whatever wraps them (LoRA adapters of the local experts), outermost first."""

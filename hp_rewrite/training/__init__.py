@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, gradients
+from ..runtime import ExpertParallelError, gradients, has_tuner_layers
 
 
 def sync_gradients(model: nn.Module) -> None:
@@ -41,7 +41,7 @@ def peft_model_of(model: nn.Module, what: str, refuse_others: bool = True) -> nn
     neither PEFT's files nor the model's, so no checkpoint here could resume them. Trainable parameters
     outside the adapter PEFT saves are refused too (:func:`refuse_unsaved_trainables`). With
     ``refuse_others=False`` such a model gives None (nothing here saves it)."""
-    if not any(hasattr(m, "adapter_layer_names") for m in model.modules()):  # no tuner layer: no adapter
+    if not has_tuner_layers(model):
         return None
     from peft import PeftModel  # installed: something put its tuner layers in the model
 

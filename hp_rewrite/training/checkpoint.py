@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..loading.save import state_dict_name
-from ..runtime import ExpertParallelError
+from ..runtime import ExpertParallelError, has_tuner_layers
 from ..runtime.gradients import expert_parameters, rank_local_parameters
 from ..runtime.quantized import QuantizedWeight
 from . import info_of, rewritten_model
@@ -65,8 +65,7 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
         for w in holder.hp_layout.weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
-    peft = any(hasattr(m, "adapter_layer_names") for m in model.modules())  # PEFT's tuner layers
-    if peft or any(id(p) not in weights for p in rank_local_parameters(model)):
+    if has_tuner_layers(model) or any(id(p) not in weights for p in rank_local_parameters(model)):
         # (under FSDP2 a PEFT model's state dict holds its adapters whole, which DCP could not load in place)
         raise ExpertParallelError(
             "checkpoint: PEFT adapters are not saved by hp_rewrite's distributed checkpoint; save the adapter as "
