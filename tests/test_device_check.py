@@ -24,7 +24,7 @@ def test_device_check_on_cpu(tmp_path: Path) -> None:
     assert all(r["median_s"] > 0 for r in report["bench"].values())
     assert report["kernels"], report["kernels"]  # what ran, by name (on CPU: the aten ops)
     kept = report["kept"]  # (d): the kept experts' GEMMs give the decoded values' results, with fewer bytes
-    assert set(kept) == {"mxfp4", "fp8"} and all(r["passed"] for r in kept.values()), kept
+    assert set(kept) == {"mxfp4", "fp8", "fp8_gemm"} and all(r["passed"] for r in kept.values()), kept
     assert all(r["weight_bytes"]["kept"] < r["weight_bytes"]["dense"] for r in kept.values()), kept
     ep2 = report["ep2_one_device"]
     assert set(ep2) == {"rank0", "rank1"}

@@ -32,6 +32,7 @@ def test_defaults_are_valid() -> None:
         "dedup": True,
         "defer_expert_grads": False,
         "dequant_chunk_mb": 64.0,
+        "fp8_gemm": False,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True

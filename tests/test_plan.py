@@ -122,6 +122,7 @@ CHANGES = [
     "runtime: {timeout_s: 120}",
     "runtime: {grad_bucket_mb: 100}",
     "runtime: {dequant_chunk_mb: 8}",
+    "runtime: {fp8_gemm: true}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

@@ -18,7 +18,8 @@
     on an accelerator one Qwen3-30B-A3B-shaped layer's local experts at EP=2 against transformers'
     grouped_mm.
 (d) Local experts kept as MXFP4 / block-FP8 codes (:mod:`tools.device_kept`) against the same values
-    held in bf16: differences, time, peak memory, host syncs.
+    held in bf16: differences, time, peak memory, host syncs; and ``runtime.fp8_gemm`` (FP8 GEMMs on
+    the block-FP8 codes, ``scaled_mm`` 1x128 x 128x128 on sm90): its error and speed against them.
 
 Prints a table and writes JSON (``--out``, default ``bench-results/device_check.json``)::
 
@@ -275,12 +276,13 @@ def _run(a: argparse.Namespace, device: str) -> int:
 
     kept = kept_experts(size, device, max(2, iters // 2), sync)
     table = Table(title=f"(d) local experts kept as MXFP4 / block FP8 vs their decoded bf16 values, frozen, {name}")
-    for col in ("format", "out max rel", "dX max rel", "kept / dense time", "weight MB kept / dense",
+    for col in ("format", "out max rel", "dX max rel", "out / dX norm rel", "kept / dense time", "weight MB kept / dense",
                 "peak MB kept / dense", "host syncs (kept, EP=1)"):
         table.add_column(col)
     for method, r in kept.items():
         peak = r["peak_bytes"]
-        table.add_row(method, f"{r['out_max_rel']:.1e}", f"{r['dx_max_rel']:.1e}", f"{r['kept_over_dense_time']:.2f}x",
+        table.add_row(method, f"{r['out_max_rel']:.1e}", f"{r['dx_max_rel']:.1e}",
+                      f"{r['out_norm_rel']:.1e} / {r['dx_norm_rel']:.1e}", f"{r['kept_over_dense_time']:.2f}x",
                       f"{r['weight_bytes']['kept'] / 2**20:.1f} / {r['weight_bytes']['dense'] / 2**20:.1f}",
                       f"{peak['kept'] / 2**20:.0f} / {peak['dense'] / 2**20:.0f}" if peak else "-",
                       str(r.get("host_syncs", "-")))

@@ -121,6 +121,7 @@ class RuntimeSection(_Section):
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     grad_bucket_mb: float = Field(25.0, gt=0, allow_inf_nan=False)
     dequant_chunk_mb: float = Field(64.0, gt=0, allow_inf_nan=False)
+    fp8_gemm: bool = False
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
@@ -136,6 +137,7 @@ class RuntimeSection(_Section):
             dedup=self.dedup,
             defer_expert_grads=self.defer_expert_grads,
             dequant_chunk_mb=self.dequant_chunk_mb,
+            fp8_gemm=self.fp8_gemm,
         )
 
 

@@ -539,12 +539,13 @@ def local_experts_forward(
 def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str):
     """Weight ``name`` as ``[E, ., .]``; for experts held as modules their GEMM weights unstacked
     (:class:`~.stacked.StackedParams`), their biases (small) stacked."""
-    if layout.modules and name in (layout.gate, layout.up, layout.down):
+    options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
+    fp8 = bool(options and options.fp8_gemm) and name in (layout.gate, layout.up, layout.down)  # refused unless kept
+    if layout.modules and name in (layout.gate, layout.up, layout.down) and not fp8:
         return StackedParams([layout.param(module, f"{k}.{name}") for k in layout.held])
-    if not (layout.flat or layout.split):
-        options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
+    if fp8 or not (layout.flat or layout.split):
         kept = quantized.projection_of(module, name, type(module).__name__,
-                                       options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES)
+                                       options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES, fp8)
         if kept is not None and kept.weight.stored.in_first != layout.transposed_of(name):
             raise ExpertParallelError(f"{type(module).__name__}.{name}: its kept codes stand for the other "
                                       "orientation than the holder's layout")

@@ -45,6 +45,11 @@ class RuntimeOptions:
     dequant_chunk_mb: experts kept quantised (MXFP4 / block FP8, :mod:`.quantized`) are decoded for
         their GEMMs this many MiB at a time, temporaries counted (about 8 bytes a value; at least one
         expert), forward and backward.
+    fp8_gemm: experts kept as block-FP8 codes (128 x 128 blocks) multiply their codes in the forward with
+        FP8 GEMMs, the rows quantised per 128 columns (DeepSeek-V3's recipe; :mod:`hp_rewrite.kernels.fp8_gemm`;
+        CUDA sm90, and an fp32 emulation on CPU), instead of decoding the weights. An approximation
+        (docs/checkpoints.md gives the measured error); dX still goes through the decoded weights.
+        Refused for any other expert weight. Off (the default): decoded, exactly the dequantised model.
     """
 
     compute: ComputeKind = "auto"
@@ -56,6 +61,7 @@ class RuntimeOptions:
     dedup: bool = True
     defer_expert_grads: bool = False
     dequant_chunk_mb: float = 64.0
+    fp8_gemm: bool = False
 
     @property
     def dequant_chunk_bytes(self) -> int:
@@ -78,6 +84,8 @@ class RuntimeOptions:
             raise ExpertParallelError(f"dedup={self.dedup!r}: must be true or false")
         if not isinstance(self.defer_expert_grads, bool):
             raise ExpertParallelError(f"defer_expert_grads={self.defer_expert_grads!r}: must be true or false")
+        if not isinstance(self.fp8_gemm, bool):
+            raise ExpertParallelError(f"fp8_gemm={self.fp8_gemm!r}: must be true or false")
         if not self.dequant_chunk_mb > 0:
             raise ExpertParallelError(f"dequant_chunk_mb={self.dequant_chunk_mb!r}: must be > 0")
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_map
 
+from ..kernels import fp8_gemm
 from ..kernels.dequant import decode_fp8, decode_mxfp4
 from .errors import ExpertParallelError
 
@@ -172,6 +173,7 @@ class QuantizedProjection:
     name: str
     chunk_bytes: int = CHUNK_BYTES  # runtime.dequant_chunk_mb
     dtype: torch.dtype = None  # the compute dtype (autocast's, or the weight's)
+    fp8_gemm: bool = False  # runtime.fp8_gemm: the forward multiplies the FP8 codes (kernels.fp8_gemm)
 
     def __post_init__(self) -> None:
         self.dtype = self.dtype or self.weight.dtype
@@ -185,13 +187,15 @@ class QuantizedProjection:
 
 
 def projection_of(module: torch.nn.Module, name: str, owner: str,
-                  chunk_bytes: int = CHUNK_BYTES) -> QuantizedProjection | None:
+                  chunk_bytes: int = CHUNK_BYTES, fp8: bool = False) -> QuantizedProjection | None:
     """The kept-quantised weight ``name`` of ``module`` with its active LoRA factors, or None when the
-    weight is an ordinary tensor."""
+    weight is an ordinary tensor. ``fp8``: ``runtime.fp8_gemm`` (refused where it cannot run)."""
     stored = stored_param(module, name)
+    where = f"{owner}.{name}"
+    if fp8:
+        _check_fp8_gemm(stored, where)
     if not isinstance(stored, QuantizedWeight):
         return None
-    where = f"{owner}.{name}"
     if stored.requires_grad:
         raise ExpertParallelError(
             f"{where} is kept quantised ({stored.stored.method}) and requires grad: its codes cannot be trained; "
@@ -206,7 +210,21 @@ def projection_of(module: torch.nn.Module, name: str, owner: str,
                 "(PEFT's factored form) is applied to kept-quantised experts; activate one adapter, or load the "
                 "model with dequantize=True")
         terms.append((lhs, rhs, float(scaling)))
-    return QuantizedProjection(stored, terms, where, chunk_bytes)
+    return QuantizedProjection(stored, terms, where, chunk_bytes, fp8_gemm=fp8)
+
+
+def _check_fp8_gemm(stored: torch.Tensor | None, where: str) -> None:
+    """``runtime.fp8_gemm`` multiplies block-FP8 codes: refused for any other expert weight, by name."""
+    if not isinstance(stored, QuantizedWeight) or stored.stored.method != "fp8":
+        held = f"kept as {stored.stored.method}" if isinstance(stored, QuantizedWeight) else "not kept as FP8 codes"
+        raise ExpertParallelError(
+            f"runtime.fp8_gemm: {where} is {held}; FP8 GEMMs run on experts kept as block-FP8 codes (a block-FP8 "
+            "checkpoint loaded with FineGrainedFP8Config(dequantize=False)): load it so, or set runtime.fp8_gemm: "
+            "false")
+    why = fp8_gemm.fp8_gemm_problem(stored.device.type, stored.stored.block, tuple(stored.shape[1:]))
+    if why:
+        raise ExpertParallelError(f"runtime.fp8_gemm: {where}: {why}; set runtime.fp8_gemm: false (the experts are "
+                                  "then decoded, exactly)")
 
 
 class _DecodedGroupedMM(torch.autograd.Function):
@@ -269,12 +287,36 @@ def _chunked(x, weight: QuantizedWeight, dtype, counts, offsets: torch.Tensor | 
     return out
 
 
+class _Fp8GroupedMM(torch.autograd.Function):
+    """``x_e @ W_e.T`` for every local expert with FP8 GEMMs on the stored codes (rows quantised per 128
+    columns, :mod:`hp_rewrite.kernels.fp8_gemm`), one per expert with rows; dX through the decoded
+    weights as :class:`_DecodedGroupedMM`'s (exact for the rows' gradient); no weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, counts, offsets, chunk_bytes, gemm):
+        ctx.weight, ctx.dtype, ctx.counts, ctx.offsets, ctx.chunk_bytes, ctx.gemm, ctx.x_dtype = (
+            weight, dtype, counts, offsets, chunk_bytes, gemm, x.dtype)
+        stored = weight.stored
+        out = x.new_empty((x.shape[0], weight.shape[1]), dtype=dtype)
+        at = 0
+        for expert, rows in enumerate(counts()):  # host ints: the layer's one read at ep > 1
+            if rows:
+                codes, scales = fp8_gemm.quantize_rows(x[at : at + rows].to(dtype))
+                out[at : at + rows] = fp8_gemm.blockwise_mm(
+                    codes, scales, stored.codes[expert], fp8_gemm.weight_scales(stored.scales[expert]), dtype)
+            at += rows
+        return out
+
+    backward = _DecodedGroupedMM.backward
+
+
 def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts,
                       offsets: torch.Tensor | None, gemm, low_rank) -> torch.Tensor:
     """``x_e @ (W_e + sum of LoRA terms)`` over the local experts' rows (module doc). ``low_rank(x, w_in_out)``
     multiplies rows by a small stacked ``[E, ., .]`` weight (the experts' own GEMM), with autograd."""
     weight = projection.weight
-    out = _DecodedGroupedMM.apply(x, weight, projection.dtype, counts, offsets, projection.chunk_bytes, gemm)
+    product = _Fp8GroupedMM if projection.fp8_gemm else _DecodedGroupedMM
+    out = product.apply(x, weight, projection.dtype, counts, offsets, projection.chunk_bytes, gemm)
     for lhs, rhs, scaling in projection.terms:
         if weight.stored.in_first:  # [E, in, out] + s * lhs [E, in, r] @ rhs [E, r, out]
             first, second = lhs, rhs
