@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "blockwise_mm", "fp8_gemm_problem", "quantize_rows", "weight_scales"]
+__all__ = ["BLOCK", "blockwise_mm", "fp8_gemm_problem", "quantize_rows", "row_slice", "weight_scales"]
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -58,16 +58,24 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(rows, cols), scales
 
 
+def row_slice(codes: torch.Tensor, scales: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``start..stop-1`` of :func:`quantize_rows`' output, their scales column-major again (a copy of
+    ``(stop - start) * in/128`` values; the codes are a view)."""
+    part = scales[start:stop]
+    return codes[start:stop], part if stop - start == scales.shape[0] else part.t().contiguous().t()
+
+
 def weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
-    """A weight's stored block scales ``[out/128, in/128]`` (fp32, or uint8 UE8M0 exponents) -> fp32
-    ``[round_up(in/128, 4), out/128]`` column-major, the layout torch's kernel takes (padding unused)."""
+    """Stored block scales ``[..., out/128, in/128]`` (fp32, or uint8 UE8M0 exponents) -> fp32
+    ``[..., round_up(in/128, 4), out/128]``, each matrix column-major: the layout torch's kernel takes
+    (the padding is never read). One call for all the experts of a weight."""
     scales = scale_inv.float()
     if scale_inv.dtype == torch.uint8:
         scales = (scales - 127.0).exp2()
-    out_groups, in_groups = scales.shape
-    padded = scales.new_zeros((out_groups, -(-in_groups // 4) * 4))
-    padded[:, :in_groups] = scales
-    return padded.t()
+    in_groups = scales.shape[-1]
+    padded = scales.new_zeros((*scales.shape[:-1], -(-in_groups // 4) * 4))
+    padded[..., :in_groups] = scales
+    return padded.transpose(-1, -2)
 
 
 def blockwise_mm(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -298,12 +298,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
             weight, dtype, counts, offsets, chunk_bytes, gemm, x.dtype)
         stored = weight.stored
         out = x.new_empty((x.shape[0], weight.shape[1]), dtype=dtype)
+        codes, scales = fp8_gemm.quantize_rows(x.to(dtype))  # every row at once
+        weight_scales = fp8_gemm.weight_scales(stored.scales)  # every expert at once (small)
         at = 0
         for expert, rows in enumerate(counts()):  # host ints: the layer's one read at ep > 1
             if rows:
-                codes, scales = fp8_gemm.quantize_rows(x[at : at + rows].to(dtype))
-                out[at : at + rows] = fp8_gemm.blockwise_mm(
-                    codes, scales, stored.codes[expert], fp8_gemm.weight_scales(stored.scales[expert]), dtype)
+                out[at : at + rows] = fp8_gemm.blockwise_mm(*fp8_gemm.row_slice(codes, scales, at, at + rows),
+                                                            stored.codes[expert], weight_scales[expert], dtype)
             at += rows
         return out
 
