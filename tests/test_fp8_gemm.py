@@ -25,6 +25,7 @@ FORWARD_TOL = {torch.float32: 3e-2, torch.bfloat16: 4e-2}  # docs/checkpoints.md
 GRAD_TOL = {torch.float32: 1e-1, torch.bfloat16: 1e-1}
 
 
+@pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="this torch has no torch.nn.functional.scaled_mm")
 @pytest.mark.parametrize("rows,cols,out", [(1, 128, 256), (5, 384, 128), (17, 256, 384)])
 def test_layouts_are_what_torchs_kernel_takes(rows, cols, out) -> None:
     """torch's meta kernel for ``scaled_mm`` holds the CUDA kernel's shape / stride rules (column-major
@@ -160,10 +161,45 @@ def test_fp8_gemm_refuses_what_it_cannot_multiply(method, block, message) -> Non
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
+def test_zero_rows_quantise_to_zero_with_denormals_flushed() -> None:
+    """The padding rows of empty groups are zeros: no 0 / 0, even where subnormal scales flush to zero."""
+    flushed = torch.set_flush_denormal(True)
+    try:
+        codes, scales = fp8_gemm.quantize_rows(torch.zeros(3, 256))
+    finally:
+        torch.set_flush_denormal(False)
+    assert codes.float().eq(0).all() and (scales > 0).all(), flushed
+
+
+def test_fp8_gemm_is_the_calls_option(monkeypatch) -> None:
+    """``moe_forward(options=...)`` decides, as for every other runtime option of the call (the
+    generated forward passes the holder's plan options)."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, moe_forward
+
+    holder = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4))
+    for name in ("gate_up_proj", "down_proj"):
+        w = torch.randn(getattr(holder, name).shape) * 0.05
+        codes, grids = zip(*[quantize_fp8(w[e], (128, 128)) for e in range(4)], strict=True)
+        setattr(holder, name, nn.Parameter(QuantizedWeight.fp8(torch.stack(codes), torch.stack(grids), (128, 128),
+                                                               torch.float32), requires_grad=False))
+    install_expert_parallel(holder, num_experts=4, ep=ExpertParallelGroup.single())
+    calls = []
+    real = fp8_gemm.blockwise_mm
+    monkeypatch.setattr(fp8_gemm, "blockwise_mm", lambda c, *a: calls.append(c.shape[0]) or real(c, *a))
+    x, (weights, indices) = torch.randn(6, 256), torch.randn(6, 4).softmax(-1).topk(2, dim=-1)
+    for fp8 in (False, True):
+        moe_forward(x, indices, weights, holder, num_experts=4, ep=ExpertParallelGroup.single(),
+                    options=RuntimeOptions(fp8_gemm=fp8))
+        assert bool(calls) == fp8
+
+
 def test_fp8_gemm_runs_on_sm90_only() -> None:
-    assert "sm90 only, this GPU is sm100" in fp8_gemm.fp8_gemm_problem("cuda", (128, 128), (256, 256), (10, 0))
-    assert "not a multiple of 128" in fp8_gemm.fp8_gemm_problem("cpu", (128, 128), (256, 200))
-    assert fp8_gemm.fp8_gemm_problem("cuda", (128, 128), (256, 256), (9, 0)) is None
+    assert "sm90 only, this GPU is sm100" in fp8_gemm.fp8_gemm_problem(torch.device("cuda"), (128, 128), (256, 256), (10, 0))
+    assert "not a multiple of 128" in fp8_gemm.fp8_gemm_problem(torch.device("cpu"), (128, 128), (256, 200))
+    assert fp8_gemm.fp8_gemm_problem(torch.device("cuda"), (128, 128), (256, 256), (9, 0)) is None
 
 
 def test_plan_field_is_typed_and_hashed() -> None:

@@ -7,6 +7,7 @@ codes_w)``, accumulated in fp32. On CUDA sm90 that is ``torch.nn.functional.scal
 ``BlockWise1x128`` x ``BlockWise128x128`` scales, laid out as its kernel requires (``scale_x``
 column-major ``[rows, in/128]``, ``scale_w`` ``[round_up(in/128, 4), out/128]`` column-major). On the
 CPU the same arithmetic runs in fp32 (what the tests run; torch has no CPU kernel for block scales).
+The CUDA call has not run on a GPU yet: ``tools/device_check.py`` (d) measures it the day one is lent.
 
 Quantising the rows is an approximation (about 2**-4 relative per value): docs/checkpoints.md gives
 the measured error. The weights' own values are not changed.
@@ -23,11 +24,12 @@ BLOCK = 128
 E4M3_MAX = 448.0
 
 
-def fp8_gemm_problem(device_type: str, block: tuple[int, int] | None, dims: tuple[int, int],
+def fp8_gemm_problem(device: torch.device, block: tuple[int, int] | None, dims: tuple[int, int],
                      capability: tuple[int, int] | None = None) -> str | None:
-    """Why a block-FP8 weight ``[out, in]`` (``dims``) with ``block`` cannot run FP8 GEMMs here, or None.
-
-    ``capability``: the CUDA device's (default: the current one's)."""
+    """Why a block-FP8 weight ``[out, in]`` (``dims``) with ``block`` on ``device`` cannot run FP8 GEMMs,
+    or None. ``capability``: the CUDA device's (default: read from ``device``)."""
+    device = torch.device(device)
+    device_type = device.type
     if block != (BLOCK, BLOCK):
         return f"its FP8 blocks are {block}, the FP8 GEMM takes 128 x 128 blocks only (DeepSeek-V3's layout)"
     if any(d % BLOCK for d in dims):
@@ -40,7 +42,7 @@ def fp8_gemm_problem(device_type: str, block: tuple[int, int] | None, dims: tupl
         return "torch's block-scaled FP8 GEMM is CUDA sm90 only, not ROCm"
     if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
         return f"this torch ({torch.__version__}) has no torch.nn.functional.scaled_mm with block scales"
-    major, minor = capability or torch.cuda.get_device_capability()
+    major, minor = capability or torch.cuda.get_device_capability(device)
     if major != 9:
         return f"torch's block-scaled FP8 GEMM (1x128 x 128x128) runs on sm90 only, this GPU is sm{major}{minor}"
     return None
@@ -51,9 +53,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``x ~ codes * scale`` per row and 128 columns, ``scale = amax / 448``."""
     rows, cols = x.shape
     groups = x.float().view(rows, cols // BLOCK, BLOCK)
-    amax = groups.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    amax = groups.abs().amax(dim=-1)
     scales = torch.empty((cols // BLOCK, rows), dtype=torch.float32, device=x.device).t()  # column-major
-    scales.copy_(amax / E4M3_MAX)
+    # a normal number at least: a group of zeros (the padding rows of empty groups) must not divide 0 by a
+    # subnormal scale that flush-to-zero turns into 0
+    scales.copy_((amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny))
     codes = (groups / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.view(rows, cols), scales
 
@@ -88,7 +92,8 @@ def blockwise_mm(codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor
                            output_dtype=out_dtype)
     rows, cols = codes.shape
     out_features = weight.shape[0]
-    x = (codes.float().view(rows, cols // BLOCK, BLOCK) * scales.unsqueeze(-1)).view(rows, cols)
-    w_scales = weight_scale.t()[:, : cols // BLOCK]  # [out/128, in/128]
-    w = weight.float().view(out_features // BLOCK, BLOCK, cols // BLOCK, BLOCK) * w_scales[:, None, :, None]
-    return (x @ w.view(out_features, cols).t()).to(out_dtype)
+    with torch.autocast(codes.device.type, enabled=False):  # fp32 products, as the kernel accumulates
+        x = (codes.float().view(rows, cols // BLOCK, BLOCK) * scales.unsqueeze(-1)).view(rows, cols)
+        w_scales = weight_scale.t()[:, : cols // BLOCK]  # [out/128, in/128]
+        w = weight.float().view(out_features // BLOCK, BLOCK, cols // BLOCK, BLOCK) * w_scales[:, None, :, None]
+        return (x @ w.view(out_features, cols).t()).to(out_dtype)

@@ -34,6 +34,7 @@ class LocalBatch:
     compute: str = "auto"
     weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
     padded: bool = False  # made by pad_empty_groups: no group is empty (never padded twice)
+    fp8_gemm: bool = False  # runtime.fp8_gemm of the call: FP8 GEMMs on experts kept as block-FP8 codes
 
     @classmethod
     def from_counts(
@@ -92,4 +93,4 @@ def pad_empty_groups(batch: LocalBatch, always: bool = False) -> tuple[LocalBatc
     positions = (rows + before[group]).long()
     padded = x.new_zeros((x.shape[0] + pad_rows, x.shape[1])).index_copy(0, positions, x)
     return LocalBatch(padded, padded_counts, (offsets + shift).to(torch.int32), batch.compute,
-                      batch.weight_grads, padded=True), positions
+                      batch.weight_grads, padded=True, fp8_gemm=batch.fp8_gemm), positions

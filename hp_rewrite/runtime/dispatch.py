@@ -323,7 +323,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     combines = []
     for chunk in state.chunks:
         x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
-        batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill)
+        batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill, fp8_gemm=state.options.fp8_gemm)
         y = _run_experts(experts, batch, via_call)
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))

@@ -474,7 +474,7 @@ def local_experts_forward(
     if layout.modules and module.training:
         expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
-    weights = {n: _weight_of(module, layout, n) for n in layout.roles}
+    weights = {n: _weight_of(module, layout, n, batch.fp8_gemm) for n in layout.roles}
     amp = _autocast_dtype(x)
     choice = kernel_choice(batch.compute, module, x.device.type, amp or x.dtype, layout, weights=weights,
                            weight_dtype=amp)
@@ -536,14 +536,17 @@ def local_experts_forward(
     return y
 
 
-def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str):
+def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str, fp8: bool = False):
     """Weight ``name`` as ``[E, ., .]``; for experts held as modules their GEMM weights unstacked
-    (:class:`~.stacked.StackedParams`), their biases (small) stacked."""
-    options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
-    fp8 = bool(options and options.fp8_gemm) and name in (layout.gate, layout.up, layout.down)  # refused unless kept
-    if layout.modules and name in (layout.gate, layout.up, layout.down) and not fp8:
+    (:class:`~.stacked.StackedParams`), their biases (small) stacked. ``fp8``: runtime.fp8_gemm."""
+    fp8 = fp8 and name in (layout.gate, layout.up, layout.down)
+    if fp8 and (layout.modules or layout.flat or layout.split):
+        raise ExpertParallelError(f"runtime.fp8_gemm: {type(module).__name__} holds its experts as modules or flat "
+                                  "weights, which are never kept as FP8 codes; set runtime.fp8_gemm: false")
+    if layout.modules and name in (layout.gate, layout.up, layout.down):
         return StackedParams([layout.param(module, f"{k}.{name}") for k in layout.held])
-    if fp8 or not (layout.flat or layout.split):
+    options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
+    if not (layout.flat or layout.split):
         kept = quantized.projection_of(module, name, type(module).__name__,
                                        options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES, fp8)
         if kept is not None and kept.weight.stored.in_first != layout.transposed_of(name):

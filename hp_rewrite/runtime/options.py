@@ -50,6 +50,7 @@ class RuntimeOptions:
         CUDA sm90, and an fp32 emulation on CPU), instead of decoding the weights. An approximation
         (docs/checkpoints.md gives the measured error); dX still goes through the decoded weights.
         Refused for any other expert weight. Off (the default): decoded, exactly the dequantised model.
+        The CUDA path has not run on a GPU yet (``tools/device_check.py`` (d) measures it).
     """
 
     compute: ComputeKind = "auto"

@@ -221,7 +221,7 @@ def _check_fp8_gemm(stored: torch.Tensor | None, where: str) -> None:
             f"runtime.fp8_gemm: {where} is {held}; FP8 GEMMs run on experts kept as block-FP8 codes (a block-FP8 "
             "checkpoint loaded with FineGrainedFP8Config(dequantize=False)): load it so, or set runtime.fp8_gemm: "
             "false")
-    why = fp8_gemm.fp8_gemm_problem(stored.device.type, stored.stored.block, tuple(stored.shape[1:]))
+    why = fp8_gemm.fp8_gemm_problem(stored.device, stored.stored.block, tuple(stored.shape[1:]))
     if why:
         raise ExpertParallelError(f"runtime.fp8_gemm: {where}: {why}; set runtime.fp8_gemm: false (the experts are "
                                   "then decoded, exactly)")
@@ -308,7 +308,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             at += rows
         return out
 
-    backward = _DecodedGroupedMM.backward
+    backward = staticmethod(_DecodedGroupedMM.backward)
 
 
 def quantized_project(projection: QuantizedProjection, x: torch.Tensor, counts,
