@@ -40,7 +40,7 @@ from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
-from .trainer_fsdp import prepare_fsdp2_trainer
+from .trainer_fsdp import prepare_fsdp2_trainer, save_beside_model
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
 
@@ -110,10 +110,7 @@ def _save_model(self, output_dir: str | None = None, _internal_call: bool = Fals
     resume that way). ``save_model`` by the user writes what ``save_pretrained`` writes."""
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     save_pretrained(self.model, output_dir, save_original_format=not _internal_call)
-    if self.args.should_save:
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    save_beside_model(self, output_dir)
 
 
 def _join_adapter_saves(trainer) -> None:

@@ -99,10 +99,16 @@ def _save_adapter(self, output_dir: str | None = None, _internal_call: bool = Fa
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     os.makedirs(output_dir, exist_ok=True)
     self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
-    if self.args.should_save:
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    save_beside_model(self, output_dir)
+
+
+def save_beside_model(trainer, output_dir: str) -> None:
+    """What Trainer.save_model writes beside the model from the saving rank: the processing class
+    (tokenizer...) and the training arguments."""
+    if trainer.args.should_save:
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(output_dir)
+        torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
 
 
 def _save_adapter_optimizer_and_scheduler(self, output_dir: str) -> None:
