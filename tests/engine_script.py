@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime import expert_parameters  # noqa: E402
+from tests.training_cases import count_routing  # noqa: E402
 
 PER_DEVICE, SEQ = 2, 8
 
@@ -44,19 +45,36 @@ def _ep_model(model_dir: str, art: Path):
                                       attn_implementation="eager")
 
 
-def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm) -> list[float]:
+def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm, routing: list | None = None):
     """Step the unmodified model on consecutive global batches of ``batch`` samples (mean loss over
-    all their tokens, as Trainer computes it with ``average_tokens_across_devices``)."""
+    all their tokens, as Trainer computes it with ``average_tokens_across_devices``); ``routing``
+    receives each step's hand count of the experts chosen, one list per layer in layer order."""
     norms = []
+    counts, handles = count_routing(ref) if routing is not None else ({}, [])
     for step in range(steps):
         chunk = samples[step * batch : (step + 1) * batch]
         ids = torch.stack([s["input_ids"] for s in chunk])
+        counts.clear()
         ref(input_ids=ids, labels=ids).loss.backward()
+        if routing is not None:
+            routing.append([counts[layer].tolist() for layer in sorted(counts)])
         if max_norm:
             norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
         optimizer.step()
         optimizer.zero_grad()
+    for h in handles:
+        h.remove()
     return norms
+
+
+def routing_logged(trainer_or_history, folder: Path | None, steps: int) -> dict:
+    """What a run logged of its routing: the ``moe/`` values of each training log, and (rank 0) the
+    first ``steps`` lines of the counts file written beside them."""
+    history = getattr(getattr(trainer_or_history, "state", None), "log_history", trainer_or_history)
+    logs = [{k: v for k, v in h.items() if k.startswith("moe/")} for h in history if "loss" in h]
+    path = None if folder is None else folder / "hp_rewrite_routing.jsonl"
+    lines = path.read_text().splitlines()[:steps] if path is not None and path.is_file() else []
+    return {"logs": logs, "file": [json.loads(line) for line in lines]}
 
 
 def _worst(model, ref) -> tuple[float, str]:
@@ -136,13 +154,16 @@ def case_trainer_adamw(model_dir, out):
     ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     common = dict(optim="adamw_torch", learning_rate=1e-3, adam_epsilon=1e-4, weight_decay=0.0, max_steps=steps,
-                  gradient_accumulation_steps=accum, max_grad_norm=0.5, save_strategy="steps", save_steps=1)
+                  gradient_accumulation_steps=accum, max_grad_norm=0.5, save_strategy="steps", save_steps=1,
+                  gradient_checkpointing=True)  # a recomputed forward must not count its tokens again
     trainer = _trainer(model, samples, out / "adamw", **common)
     trainer.train()
-    _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
+    hand = []
+    _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5, hand)
     worst, name = _worst(model, ref)
     trainer.save_model(str(out / "adamw" / "final"))
-    result = {"worst": worst, "worst_name": name}
+    result = {"worst": worst, "worst_name": name, "hand_routing": hand,
+              "routing": routing_logged(trainer, out / "adamw", steps)}
     if dist.get_rank() == 0:  # unmodified transformers loads every saved model bit for bit
         for folder in ("final", "checkpoint-3"):
             plain = AutoModelForCausalLM.from_pretrained(out / "adamw" / folder, attn_implementation="eager")
@@ -397,7 +418,7 @@ def case_sft_lora_experts(model_dir, out):
     ref.load_state_dict(_lora_state(model), strict=False)
     ep, reference = _sft_both(model, ref, out / "sft", max_grad_norm=0.5, learning_rate=1e-3)
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "checkpointing": ep.args.gradient_checkpointing,
-              "aux_loss": ep.aux_loss_enabled, "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
+              "aux_loss": ep.aux_loss_enabled, "routing": routing_logged(ep, None, 2), "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],
               "ref_losses": [h["loss"] for h in reference.state.log_history if "loss" in h],
               "grad_norm": [h["grad_norm"] for h in ep.state.log_history if "grad_norm" in h],
               "ref_norms": [h["grad_norm"] for h in reference.state.log_history if "grad_norm" in h]}
@@ -454,14 +475,39 @@ def case_sft_gpt_oss_mxfp4_kept(model_dir, out):
     return result
 
 
+def _recording_tracker():
+    """An accelerate tracker that keeps what it is given (what TensorBoard or W&B would receive)."""
+    from accelerate.tracking import GeneralTracker
+
+    class Recorded(GeneralTracker):
+        name, requires_logging_directory = "recorded", False
+
+        def __init__(self):
+            super().__init__()
+            self.logged = []
+
+        @property
+        def tracker(self):
+            return self.logged
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append({"step": step, **values})
+
+    return Recorded()
+
+
 def case_accelerate(model_dir, out):
-    """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps."""
+    """Accelerator.prepare + accumulate(2) + clip_grad_norm_ in the user's loop, three AdamW steps,
+    the loss logged after each (the routing statistics join it: a tracker and the project folder's file)."""
     from accelerate import Accelerator
 
     world, steps, accum = dist.get_world_size(), 3, 2
     ref, model = _reference(model_dir), _ep_model(model_dir, out / "art")
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
-    accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
+    tracker = _recording_tracker()
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum,
+                                                             log_with=[tracker], project_dir=str(out / "acc_project")))
+    accelerator.init_trackers("run")
     # the sampler a user writes for a fixed order: rank r takes every world-th micro-batch
     ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
     mine = ids[:, dist.get_rank()]
@@ -477,10 +523,15 @@ def case_accelerate(model_dir, out):
                 norms.append(accelerator.clip_grad_norm_(ddp.parameters(), 0.5).item())
             optimizer.step()
             optimizer.zero_grad()
-    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
+        if accelerator.sync_gradients:
+            accelerator.log({"loss": loss.item()}, step=len(norms))
+    hand = []
+    ref_norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5,
+                                 hand)
     worst, name = _worst(model, ref)
     result = {"worst": worst, "worst_name": name, "norms": norms, "ref_norms": ref_norms,
-              "wrapped": type(ddp).__name__}
+              "wrapped": type(ddp).__name__, "hand_routing": hand,
+              "routing": routing_logged(tracker.logged, out / "acc_project", steps)}
     # prepare_accelerator: save_state / load_state hold every rank's experts and their optimizer state,
     # save_model writes what plain transformers loads
     accelerator.save_state(str(out / "accelerate_state"))

@@ -27,7 +27,15 @@ sys.path.insert(0, str(ROOT))
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime import expert_weights, local_rows  # noqa: E402
 from tests.engine_cases import _error  # noqa: E402
-from tests.engine_script import PER_DEVICE, SEQ, _adamw, _reference_steps, _samples, run_cases  # noqa: E402
+from tests.engine_script import (  # noqa: E402
+    PER_DEVICE,
+    SEQ,
+    _adamw,
+    _reference_steps,
+    _samples,
+    routing_logged,
+    run_cases,
+)
 
 LAYER = "Qwen3MoeDecoderLayer"
 
@@ -293,11 +301,13 @@ def _trainer_adamw(model_dir, out, state_dict_type: str) -> dict:
                   fsdp_config=_fsdp_config(state_dict_type))
     trainer = _trainer(model, samples, out / "run", **common)
     trainer.train()
-    norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5)
+    hand = []
+    norms = _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, _adamw(ref.parameters()), 0.5, hand)
     worst, name = _worst(trainer.model, ref)
     final = _params(trainer.model)
     trainer.save_model(str(out / "final"))
     result = {"worst": worst, "worst_name": name, "grad_norm": _grad_norms(trainer), "ref_norms": norms,
+              "hand_routing": hand, "routing": routing_logged(trainer, out / "run", steps),
               "is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model),
               "files": sorted(os.listdir(out / "run" / "checkpoint-1"))}
     if dist.get_rank() == 0:  # save_model: a checkpoint plain transformers loads, equal to the unmodified model

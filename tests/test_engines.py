@@ -13,7 +13,7 @@ import pytest
 
 from hp_rewrite.launch import run_world
 from hp_rewrite.tiny import make_tiny
-from tests.training_cases import TOL
+from tests.training_cases import TOL, assert_routing_logged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,6 +178,17 @@ def test_trainer_and_accelerate_equal_unmodified(case: str, engine_results: dict
             assert reported == pytest.approx(r["ref_norms"], rel=1e-5), r
 
 
+@pytest.mark.parametrize("case", ["trainer_adamw", "accelerate"])
+def test_routing_statistics_logged_equal_a_hand_count(case: str, engine_results: dict) -> None:
+    """EP 2 on 2 ranks: the moe/ logs of every step (Trainer with activation checkpointing and gradient
+    accumulation 2: log_history; accelerate: a tracker and the project folder) equal a hand count of the
+    unmodified model's routing of the same global batches."""
+    for rank, r in enumerate(engine_results[case]):
+        if case == "accelerate" and rank:
+            continue  # accelerate's trackers log on the main process only
+        assert_routing_logged(r, 3, rank)
+
+
 def test_prepared_accelerator_saves_every_rank_s_experts(engine_results: dict) -> None:
     for r in engine_results["accelerate"]:
         assert r["state_worst"] == 0.0, r  # load_state put back the saved model after another step
@@ -215,6 +226,8 @@ def test_sft_trainer_with_lora_on_the_experts_equals_unmodified(engine_results: 
     only: the same losses, norms and adapters as SFTTrainer on the unmodified model with them."""
     for r in engine_results["sft_lora_experts"]:
         assert r["checkpointing"] and r["aux_loss"], r
+        logged = r["routing"]["logs"]  # TRL's own log() keeps the routing statistics
+        assert len(logged) == 2 and all(h["moe/imbalance"] >= 1.0 for h in logged), logged
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
     assert engine_results["sft_lora_experts"][0]["reload_final"] == 0.0, engine_results["sft_lora_experts"][0]
 

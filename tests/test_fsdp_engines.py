@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hp_rewrite.tiny import make_tiny
-from tests.training_cases import TOL
+from tests.training_cases import TOL, assert_routing_logged
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
@@ -91,6 +91,14 @@ def test_trainer_fsdp2_sgd_step_equals_unmodified(world: int, request) -> None:
         assert "CheckpointWrapper" in r["layer_class"], r  # fsdp_config's activation checkpointing applied
         assert r["resume_worst"] == 0.0, r  # its checkpoint (layers under the wrapper) read back bit for bit
     assert results[0]["reload_final"] <= TOL, results[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_fsdp2_routing_statistics_equal_a_hand_count(world: int, request) -> None:
+    """EP 2 on 2 ranks and EP 2 x 2 replicas on 4: the moe/ logs of each step are the global batch's,
+    as a hand count of the unmodified model's routers gives them."""
+    for rank, r in enumerate(request.getfixturevalue({2: "two", 4: "four"}[world])["trainer_full"]):
+        assert_routing_logged(r, 3, rank)
 
 
 @pytest.mark.parametrize("case", ["trainer_full", "trainer_sharded"])

@@ -83,7 +83,7 @@ def test_plan_is_frozen() -> None:
 def test_canonical_is_complete_sorted_and_plain() -> None:
     canon = DEFAULT_PLAN.canonical()
     assert list(canon) == sorted(canon)
-    assert set(canon) == {"version", "ep_size", "tp_size", "sequence_parallel", "modules", "archetype", "runtime",
+    assert set(canon) == {"version", "ep_size", "tp_size", "sequence_parallel", "modules", "archetype", "runtime", "routing",
                           "placement", "output", "extensions"}
     assert list(canon["runtime"]) == sorted(canon["runtime"])
     assert canon["runtime"]["timeout_s"] is None and canon["runtime"]["capacity_factor"] is None
@@ -123,6 +123,7 @@ CHANGES = [
     "runtime: {grad_bucket_mb: 100}",
     "runtime: {dequant_chunk_mb: 8}",
     "runtime: {fp8_gemm: true}",
+    "routing: {stats: false}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]
@@ -139,6 +140,7 @@ def test_every_runtime_knob_is_covered_by_the_hash_test() -> None:
     fields = set(Plan.model_fields["runtime"].annotation.model_fields)
     fields |= set(Plan.model_fields["archetype"].annotation.model_fields)
     fields |= set(Plan.model_fields["modules"].annotation.model_fields)
+    fields |= set(Plan.model_fields["routing"].annotation.model_fields)
     assert fields <= knobs
 
 

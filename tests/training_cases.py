@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import hp_rewrite
@@ -359,3 +361,41 @@ def _mismatched_sizes(cls, directory: str, kwargs: dict, plan, art: Path) -> lis
         if "ignore_mismatched_sizes=True" not in str(e):
             problems.append(f"{where}: {e}")
     return problems
+
+
+def count_routing(model) -> tuple[dict, list]:
+    """Hooks on the routers (``layers.<i>.mlp.gate``) of an unmodified model counting, by hand, the
+    experts they choose: ``{layer: [E] counts}`` summed over its forwards, and the hooks' handles."""
+    counts, handles = {}, []
+
+    def hook_for(layer: int):
+        def hook(module, args, out):
+            chosen = torch.bincount(out[2].reshape(-1), minlength=out[0].shape[-1])
+            counts[layer] = counts[layer] + chosen if layer in counts else chosen
+        return hook
+
+    for name, m in model.named_modules():
+        found = re.search(r"layers\.(\d+)\.mlp\.gate$", name)
+        if found:
+            handles.append(m.register_forward_hook(hook_for(int(found.group(1)))))
+    assert handles, "no router found"
+    return counts, handles
+
+
+def assert_routing_logged(r: dict, steps: int, rank: int) -> None:
+    """The ``moe/`` values a run logged after each of its ``steps`` optimizer steps equal what a hand
+    count of the unmodified model's routers gives on the same global batches (``hand_routing``: per
+    step, per layer, the experts chosen); rank 0's counts file holds those counts themselves."""
+    logs, hand = r["routing"]["logs"], r["hand_routing"]
+    assert len(logs) == len(hand) == steps, (logs, hand)
+    for step, (logged, layers) in enumerate(zip(logs, hand, strict=True)):
+        imbalance = [max(c) * len(c) / sum(c) for c in layers]
+        assert logged["moe/imbalance"] == pytest.approx(max(imbalance), rel=1e-12), (step, logged, layers)
+        for i, value in enumerate(imbalance):
+            assert logged[f"moe/layer_{i}/imbalance"] == pytest.approx(value, rel=1e-12), (step, i, logged, layers)
+        assert logged["moe/dead_experts"] == sum(c.count(0) for c in layers), (step, logged, layers)
+        assert logged["moe/dropped_fraction"] == 0.0 and logged["moe/exchange_bytes_per_step"] > 0, logged
+    if rank == 0:
+        written = [[layer["tokens_per_expert"] for layer in line["layers"]] for line in r["routing"]["file"]]
+        assert written == hand, (written, hand)
+        assert [line["steps"] for line in r["routing"]["file"]] == [1] * steps

@@ -33,6 +33,7 @@ from ..runtime import (
     exchange_runtimes,
 )
 from ..runtime.engines import EngineGuard, install_engine_guard
+from ..runtime.routing_load import ModelRouting, install_routing_loads
 from .rank0 import rank0_first
 
 PLAN_ENV = "HP_REWRITE_PLAN"
@@ -52,6 +53,7 @@ class RewriteInfo:
     fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
     runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
     tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
+    routing: ModelRouting | None = None  # the routing counts the plan's routing section asks for
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -114,6 +116,8 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
         info.tensor = split_dense(model, info.plan, info.ep, info.patched)
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
+    if info.plan.routing.stats:
+        info.routing = install_routing_loads(model)
     load_full_checkpoints(model)
     install_adapter_state_hooks(model)
     model.hp_rewrite = info

@@ -16,6 +16,7 @@ from .schema import (
     Plan,
     PlanError,
     Problem,
+    RoutingSection,
     RuntimeSection,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Problem",
+    "RoutingSection",
     "RuntimeSection",
     "load_plan",
     "parse_plan",

@@ -141,6 +141,17 @@ class RuntimeSection(_Section):
         )
 
 
+class RoutingSection(_Section):
+    """Routing health and control in training (docs/training.md, "Routing").
+
+    ``stats``: count what the routers choose in every training forward (on the device, no host sync),
+    reduce the counts over the world once per optimizer step, and log them (``moe/`` keys) where a
+    prepared Trainer, TRL trainer or accelerate run logs; ``hp_rewrite.routing_stats(model)`` reads them.
+    """
+
+    stats: bool = True
+
+
 class PlacementSection(_Section):
     """Which EP rank holds which experts.
 
@@ -198,7 +209,7 @@ def _check_module_name(name: str) -> str:
 
 
 ModuleName = Annotated[str, AfterValidator(_check_module_name)]
-_SECTIONS = ("modules", "archetype", "runtime", "placement", "output", "extensions")
+_SECTIONS = ("modules", "archetype", "runtime", "routing", "placement", "output", "extensions")
 
 
 class Plan(_Section):
@@ -213,6 +224,7 @@ class Plan(_Section):
     modules: ModulesSection = Field(default_factory=ModulesSection)
     archetype: ArchetypeSection = Field(default_factory=ArchetypeSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    routing: RoutingSection = Field(default_factory=RoutingSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     output: OutputSection = Field(default_factory=OutputSection)
     # Dotted module names the rewriter imports so they can register archetypes. Only validated

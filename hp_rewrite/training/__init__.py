@@ -153,3 +153,25 @@ def prepare_accelerator(accelerator):
     from .accelerator import prepare_accelerator as prepare
 
     return prepare(accelerator)
+
+
+def routing_stats(model: nn.Module):
+    """The routing statistics (tokens per expert over the global batch, imbalance, dead experts,
+    drops, exchange bytes) since the last read; every rank calls it (see :mod:`.routing`)."""
+    from .routing import routing_stats as stats
+
+    return stats(model)
+
+
+def routing_step(model: nn.Module) -> None:
+    """Reduce the step's routing counts over the world: after ``optimizer.step()``, on every rank."""
+    from .routing import routing_step as step
+
+    step(model)
+
+
+def track_routing(model: nn.Module, optimizer):
+    """:func:`routing_step` after every ``optimizer.step()`` of ``optimizer`` (a step post hook)."""
+    from .routing import track_routing as track
+
+    return track(model, optimizer)

@@ -46,6 +46,7 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
 from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
+from .routing import prepare_accelerator_routing
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
 STATE_FOLDER = "hp_rewrite_model_{i}"
@@ -271,11 +272,14 @@ def prepare_accelerator(accelerator):
             for model in models:
                 _shard_experts_first(accelerator, model, optimizers)
             with _plugin_for_ep(accelerator, presharded, models):
-                return prepare(*args, device_placement=device_placement)
-        for model in (a for a in args if _is_ep_model(a)):
-            if accelerator.num_processes > 1 and trains_rank_local_only(rewritten_model(model), model):
-                leave_out_ddp(accelerator, rewritten_model(model))
-        return prepare(*args, device_placement=device_placement)
+                prepared = prepare(*args, device_placement=device_placement)
+        else:
+            for model in (a for a in args if _is_ep_model(a)):
+                if accelerator.num_processes > 1 and trains_rank_local_only(rewritten_model(model), model):
+                    leave_out_ddp(accelerator, rewritten_model(model))
+            prepared = prepare(*args, device_placement=device_placement)
+        prepare_accelerator_routing(accelerator, prepared)
+        return prepared
 
     def clip_ep(parameters, max_norm, norm_type=2):
         if accelerator.is_fsdp2 and _ep_models(accelerator):

@@ -40,6 +40,7 @@ from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
+from .routing import prepare_trainer_routing
 from .trainer_fsdp import prepare_fsdp2_trainer, save_beside_model
 
 EXPERT_OPTIMIZER_FILE = "hp_rewrite_expert_optimizer-rank{rank}-of-{world}.pt"
@@ -145,6 +146,7 @@ def prepare_trainer(trainer):
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
+    prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")

@@ -1,0 +1,165 @@
+"""What the routers chose, counted on the device while the model trains, and reduced once a step.
+
+Each MoE layer's experts holder carries an :class:`ExpertLoad` when the plan's ``routing:`` section
+wants the counts (statistics, the correction-bias update). Every training forward adds the slots this
+rank's tokens chose per expert (kept, and dropped for capacity) and the bytes its exchange sent: a
+few ``[E]`` additions on the device, no host value. A forward without gradients (evaluation,
+generation; reentrant activation checkpointing's forward excepted) is not counted, nor is activation
+checkpointing's recomputation, which runs inside backward and would count the same tokens twice.
+
+:class:`ModelRouting` (one per rewritten model) reduces every layer's counts over the world in one
+all-reduce at each optimizer step (:meth:`ModelRouting.step`) and keeps the global counts until they
+are read (:meth:`ModelRouting.read`, one host read).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+
+
+def counted_forward() -> bool:
+    """Whether the running forward is a training forward seen for the first time: with gradients (or
+    inside reentrant activation checkpointing's forward, which runs without them), and not the
+    recomputation of activation checkpointing (which runs inside backward's graph task)."""
+    if torch.compiler.is_compiling():  # traced once; the compiler's own recomputation never reruns Python
+        return torch.is_grad_enabled()
+    if torch._C._current_graph_task_id() != -1:
+        return False
+    return torch.is_grad_enabled() or _in_reentrant_checkpoint()
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether a caller is ``torch.utils.checkpoint``'s reentrant forward (a short walk up the stack,
+    only for forwards without gradients)."""
+    code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class ExpertLoad:
+    """One layer's routing counts since the last :meth:`take`: ``chosen [E]`` slots per expert (the
+    router's choice, before any capacity drop), ``dropped [E]``, and the bytes its exchange sent."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.chosen: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+        self.bytes_sent = 0
+
+    def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int) -> None:
+        if not counted_forward():
+            return
+        if self.chosen is None:
+            self.chosen, self.dropped = kept + dropped, dropped.clone()
+        else:
+            self.chosen += kept + dropped
+            self.dropped += dropped
+        if not torch.compiler.is_compiling():  # a host int here; a traced size under compile
+            self.bytes_sent += int(bytes_sent)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """``[2E + 1]`` int64 on ``device``: chosen, dropped, bytes; the counts start again from zero."""
+        e = self.num_experts
+        chosen = self.chosen if self.chosen is not None else torch.zeros(e, dtype=torch.int64, device=device)
+        dropped = self.dropped if self.dropped is not None else torch.zeros(e, dtype=torch.int64, device=device)
+        extra = torch.full((1,), self.bytes_sent, dtype=torch.int64, device=device)  # a fill: nothing uploaded
+        self.chosen, self.dropped, self.bytes_sent = None, None, 0
+        return torch.cat([chosen.to(device), dropped.to(device), extra])
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """One layer's global counts over the steps read: its holder's module path and log index."""
+
+    name: str
+    index: int
+    tokens_per_expert: tuple[int, ...]
+    dropped_per_expert: tuple[int, ...]
+    bytes_sent: int
+
+
+def layer_index(name: str, ordinal: int) -> int:
+    """The decoder layer number in a module path (``model.layers.7.mlp.experts`` -> 7), else ``ordinal``."""
+    return next((int(p) for p in name.split(".") if p.isdigit()), ordinal)
+
+
+class ModelRouting:
+    """The routing counts of one rewritten model: per step, reduced over ``group`` (the world when
+    None and torch.distributed is initialised); kept on the device until read."""
+
+    def __init__(self, holders: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None) -> None:
+        self.names = [name for name, _ in holders]
+        self.loads = [h.hp_routing_load for _, h in holders]
+        indices = [layer_index(n, i) for i, n in enumerate(self.names)]
+        self.indices = indices if len(set(indices)) == len(indices) else list(range(len(indices)))
+        self.group = group
+        self.window: torch.Tensor | None = None  # global counts since the last read
+        self.this_step: torch.Tensor | None = None  # global counts since the last optimizer step
+        self.steps = 0  # optimizer steps since the last read
+
+    def _device(self) -> torch.device:
+        found = next((load.chosen.device for load in self.loads if load.chosen is not None), None)
+        if found is not None:
+            return found
+        backend = dist.get_backend(self.group) if dist.is_available() and dist.is_initialized() else "gloo"
+        kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)  # no forward counted here: the backend's device
+        if kind is None:
+            return torch.device("cpu")
+        return torch.device(kind, torch.get_device_module(kind).current_device())
+
+    def reduce(self) -> None:
+        """Reduce the counts of the forwards not reduced yet over the world (one all-reduce; every rank
+        calls it) into the window and into the current step's counts."""
+        if not self.loads:
+            return
+        device = self._device()
+        flat = torch.cat([load.take(device) for load in self.loads])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat, group=self.group)
+        self.window = flat if self.window is None else self.window + flat
+        self.this_step = flat if self.this_step is None else self.this_step + flat
+
+    def step(self) -> list[torch.Tensor]:
+        """After an optimizer step (every rank): reduce, and return each layer's ``[2E + 1]`` global
+        counts of that step (chosen, dropped, bytes); the next step starts from zero."""
+        self.reduce()
+        flat, self.this_step = self.this_step, None
+        self.steps += 1
+        if flat is None:
+            return []
+        return list(flat.split([2 * load.num_experts + 1 for load in self.loads]))
+
+    def read(self) -> tuple[int, list[LayerCounts]]:
+        """``(steps, per-layer counts)`` of the window, read to the host at once; the window empties."""
+        steps, window = self.steps, self.window
+        self.steps, self.window = 0, None
+        if window is None:
+            return 0, []
+        values, out, start = window.tolist(), [], 0
+        for name, index, load in zip(self.names, self.indices, self.loads, strict=True):
+            e = load.num_experts
+            part = values[start : start + 2 * e + 1]
+            out.append(LayerCounts(name, index, tuple(part[:e]), tuple(part[e : 2 * e]), part[2 * e]))
+            start += 2 * e + 1
+        return steps, out
+
+
+def install_routing_loads(model: nn.Module, group: dist.ProcessGroup | None = None) -> ModelRouting:
+    """Give every experts holder of ``model`` an :class:`ExpertLoad` and return the model's counts."""
+    holders = []
+    for name, m in model.named_modules():
+        binding = vars(m).get("hp_expert_parallel")
+        if binding is not None:
+            m.hp_routing_load = ExpertLoad(binding.num_experts)
+            holders.append((name, m))
+    return ModelRouting(holders, group)

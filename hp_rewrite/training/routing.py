@@ -1,0 +1,187 @@
+"""Routing statistics of a training run, and the engines' hooks that reduce and log them.
+
+The counts are taken in the forward (:mod:`hp_rewrite.runtime.routing_load`); here they become
+statistics (:class:`RoutingStats`): per MoE layer the tokens each expert was chosen for over the global
+batch (every rank, every micro-batch), its imbalance (max / mean load), experts that received
+nothing, slots dropped for capacity, exchange bytes. A prepared Trainer (TRL's trainers included) and
+a prepared Accelerator reduce the counts after every optimizer step and add ``moe/`` keys to the
+next log, so they reach ``log_history`` and every ``report_to`` tracker; a hand-written loop calls
+:func:`routing_step` after ``optimizer.step()`` (or :func:`track_routing` once) and
+:func:`routing_stats` where it logs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..runtime import ExpertParallelError
+from ..runtime.routing_load import LayerCounts, ModelRouting
+from . import info_of, rewritten_model
+
+#: beside a prepared Trainer's checkpoints (its ``output_dir``) or in an Accelerator's ``project_dir``
+ROUTING_LOG = "hp_rewrite_routing.jsonl"
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """The global routing counts of the steps since the last read, per MoE layer."""
+
+    steps: int
+    layers: tuple[LayerCounts, ...]
+
+    @staticmethod
+    def imbalance(layer: LayerCounts) -> float:
+        """Max over mean load of the layer's experts (1 is perfectly even; 0 when nothing was routed)."""
+        total = sum(layer.tokens_per_expert)
+        return max(layer.tokens_per_expert) * len(layer.tokens_per_expert) / total if total else 0.0
+
+    @staticmethod
+    def dead_experts(layer: LayerCounts) -> int:
+        return sum(1 for n in layer.tokens_per_expert if n == 0)
+
+    @property
+    def dropped_fraction(self) -> float:
+        chosen = sum(sum(layer.tokens_per_expert) for layer in self.layers)
+        return sum(sum(layer.dropped_per_expert) for layer in self.layers) / chosen if chosen else 0.0
+
+    def logs(self, prefix: str = "moe/") -> dict[str, float]:
+        """What the engines log: the worst layer's imbalance, dead experts summed over layers, the
+        dropped fraction, the exchange bytes per step (all ranks), and each layer's imbalance."""
+        if not self.layers:
+            return {}
+        out = {
+            f"{prefix}imbalance": max(self.imbalance(layer) for layer in self.layers),
+            f"{prefix}dead_experts": float(sum(self.dead_experts(layer) for layer in self.layers)),
+            f"{prefix}dropped_fraction": self.dropped_fraction,
+            f"{prefix}exchange_bytes_per_step": sum(layer.bytes_sent for layer in self.layers) / max(self.steps, 1),
+        }
+        for layer in self.layers:
+            out[f"{prefix}layer_{layer.index}/imbalance"] = self.imbalance(layer)
+        return out
+
+    def as_dict(self) -> dict:
+        """JSON-ready: every layer's counts (what ``hp-rewrite profile --routing-log`` draws)."""
+        return {"steps": self.steps, "layers": [
+            {"name": layer.name, "index": layer.index, "tokens_per_expert": list(layer.tokens_per_expert),
+             "dropped_per_expert": list(layer.dropped_per_expert), "bytes_sent": layer.bytes_sent}
+            for layer in self.layers]}
+
+
+def _routing_of(model: nn.Module, what: str) -> ModelRouting:
+    routing = info_of(model, what).routing
+    if routing is None:
+        raise ExpertParallelError(f"{what}: the plan turns routing statistics off (routing.stats: false)")
+    return routing
+
+
+def routing_stats(model: nn.Module) -> RoutingStats:
+    """The routing statistics since the last read (then they start again). Every rank calls it: the
+    counts not reduced by a step yet are reduced here (one all-reduce)."""
+    routing = _routing_of(model, "routing_stats")
+    routing.reduce()
+    return RoutingStats(*_read(routing))
+
+
+def _read(routing: ModelRouting) -> tuple[int, tuple[LayerCounts, ...]]:
+    steps, layers = routing.read()
+    return steps, tuple(layers)
+
+
+def routing_step(model: nn.Module) -> None:
+    """After ``optimizer.step()``, on every rank: reduce the step's routing counts over the world."""
+    _routing_of(model, "routing_step").step()
+
+
+def track_routing(model: nn.Module, optimizer):
+    """Call :func:`routing_step` after every ``optimizer.step()`` (a step post hook on ``optimizer``,
+    or on the optimizer an accelerate ``AcceleratedOptimizer`` wraps). Returns the hook's handle."""
+    routing = _routing_of(model, "track_routing")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner.register_step_post_hook(lambda *_: routing.step())
+
+
+def _take(routing: ModelRouting) -> RoutingStats | None:
+    """The statistics of the steps reduced since the last read; None when no step was (a second log in
+    the same step, an evaluation). Local: nothing collective, so one rank alone may log."""
+    if routing.steps == 0:
+        return None
+    return RoutingStats(*_read(routing))
+
+
+def _append(path: Path, step: int, stats: RoutingStats) -> None:
+    """One JSON line per log with every layer's counts (what ``hp-rewrite profile --routing-log`` draws)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **stats.as_dict()}) + "\n")
+
+
+def prepare_trainer_routing(trainer) -> None:
+    """Reduce the routing counts after every optimizer step and add them to the trainer's next log."""
+    from transformers import TrainerCallback
+
+    routing = info_of(trainer.model, "prepare_trainer").routing
+    if routing is None or getattr(trainer, "hp_routing", None) is not None:
+        return
+
+    class _RoutingStep(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            routing.step()
+
+    trainer.add_callback(_RoutingStep())
+    vars(trainer.accelerator).setdefault("hp_routing_by_trainer", []).append(routing)  # not stepped twice
+    log = trainer.log
+
+    def log_with_routing(logs, *args, **kwargs):
+        stats = _take(routing)
+        if stats is None:
+            return log(logs, *args, **kwargs)
+        if trainer.is_world_process_zero():
+            _append(Path(trainer.args.output_dir) / ROUTING_LOG, trainer.state.global_step, stats)
+        return log({**logs, **stats.logs()}, *args, **kwargs)
+
+    trainer.log = log_with_routing
+    trainer.hp_routing = routing
+
+
+def prepare_accelerator_routing(accelerator, prepared) -> None:
+    """After ``accelerator.prepare`` returned ``prepared``: each expert-parallel model's routing counts
+    are reduced after every step of the optimizers prepared with it or after it, and their statistics
+    added to the next ``accelerator.log`` (every rank may call it: nothing collective happens there)."""
+    prepared = prepared if isinstance(prepared, (tuple, list)) else (prepared,)
+    known = vars(accelerator).setdefault("hp_routing", [])
+    by_trainer = vars(accelerator).get("hp_routing_by_trainer", [])  # a prepared Trainer steps and logs them
+    for m in prepared:
+        if isinstance(m, nn.Module) and rewritten_model(m) is not None:
+            routing = info_of(m, "prepare_accelerator").routing
+            if routing is not None and all(r is not routing for r in known + by_trainer):
+                known.append(routing)
+    if not known:
+        return
+    for optimizer in prepared:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, torch.optim.Optimizer):
+            for routing in known:
+                inner.register_step_post_hook(lambda *_, r=routing: r.step())
+    if not vars(accelerator).get("hp_routing_logs"):
+        log = accelerator.log
+
+        def log_with_routing(values, step=None, *args, **kwargs):
+            extra = {}
+            for i, routing in enumerate(known):
+                stats = _take(routing)
+                if stats is None:
+                    continue
+                if accelerator.project_dir is not None and accelerator.is_main_process:
+                    _append(Path(accelerator.project_dir) / ROUTING_LOG.replace(".jsonl", f"{i or ''}.jsonl"),
+                            step, stats)
+                logs = stats.logs()
+                extra.update(logs if i == 0 else {k.replace("moe/", f"moe{i}/", 1): v for k, v in logs.items()})
+            return log({**values, **extra}, step, *args, **kwargs)
+
+        accelerator.log = log_with_routing
+        accelerator.hp_routing_logs = True
