@@ -28,7 +28,6 @@ _LAZY = {
     "save_checkpoint": "hp_rewrite.training",
     "load_checkpoint": "hp_rewrite.training",
     "routing_stats": "hp_rewrite.training",
-    "routing_step": "hp_rewrite.training",
     "track_routing": "hp_rewrite.training",
     "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",

@@ -45,10 +45,12 @@ def _ep_model(model_dir: str, art: Path):
                                       attn_implementation="eager")
 
 
-def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm, routing: list | None = None):
+def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm, routing: list | None = None,
+                     bias_rate: float = 0.0):
     """Step the unmodified model on consecutive global batches of ``batch`` samples (mean loss over
     all their tokens, as Trainer computes it with ``average_tokens_across_devices``); ``routing``
-    receives each step's hand count of the experts chosen, one list per layer in layer order."""
+    receives each step's hand count of the experts chosen, one list per layer in layer order; with
+    ``bias_rate`` each layer's selection bias is updated by hand from that count after the step."""
     norms = []
     counts, handles = count_routing(ref) if routing is not None else ({}, [])
     for step in range(steps):
@@ -62,6 +64,11 @@ def _reference_steps(ref, samples, steps: int, batch: int, optimizer, max_norm, 
             norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
         optimizer.step()
         optimizer.zero_grad()
+        for layer, chosen in counts.items() if bias_rate else ():
+            bias = ref.get_submodule(f"model.layers.{layer}.mlp.gate").e_score_correction_bias
+            load = chosen.float()
+            with torch.no_grad():
+                bias.add_(torch.sign(load.mean() - load), alpha=bias_rate)
     for h in handles:
         h.remove()
     return norms
@@ -547,6 +554,111 @@ def case_accelerate(model_dir, out):
         from transformers import AutoModelForCausalLM
 
         result["reload_saved"] = _worst(model, AutoModelForCausalLM.from_pretrained(out / "accelerate_saved"))[0]
+    return result
+
+
+BIAS_RATE = 0.01
+
+
+def _biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def _bias_models(out: Path):
+    """A tiny DeepSeek-V3 checkpoint (rank 0 writes it once), the unmodified model and the EP 2 one with
+    routing.bias_update_rate."""
+    from hp_rewrite.plan import parse_plan
+    from hp_rewrite.tiny import make_tiny
+
+    checkpoint = out / "deepseek_v3-tiny"
+    if dist.get_rank() == 0 and not checkpoint.is_dir():
+        make_tiny("deepseek_v3", checkpoint)
+    dist.barrier()
+    plan = parse_plan(f"version: 1\nep_size: 2\nrouting: {{bias_update_rate: {BIAS_RATE}}}\n")
+
+    def ep_model():
+        return hp_rewrite.from_pretrained(checkpoint, plan=plan, artifact_dir=out / "art_bias",
+                                          attn_implementation="eager")
+
+    return checkpoint, _reference(checkpoint), ep_model
+
+
+def _bias_result(model, ref) -> dict:
+    got, want = _biases(model), _biases(ref)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, {n: b.tolist() for n, b in got.items()})
+    return {"biases_equal": bool(got) and got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want),
+            "moved": [float((want[n] - b).abs().max()) for n, b in _START_BIASES.items()],
+            "same_on_every_rank": all(d == digests[0] for d in digests), "worst": _worst(model, ref)[0]}
+
+
+_START_BIASES: dict = {}
+
+
+def case_trainer_bias_update(model_dir, out):
+    """routing.bias_update_rate through Trainer at EP 2 (SGD, accumulation 2, a checkpoint each step):
+    after three steps the selection biases are bitwise those of a hand update of the unmodified model
+    from the global count of each step, and alike on every rank; resuming from checkpoint-1 ends with
+    the same biases (the checkpoint held them); plain transformers reads them from save_model."""
+    from transformers import AutoModelForCausalLM
+
+    world, steps, accum = dist.get_world_size(), 3, 2
+    checkpoint, ref, ep_model = _bias_models(out)
+    _START_BIASES.clear()
+    _START_BIASES.update(_biases(ref))
+    model = ep_model()
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    common = dict(learning_rate=0.5, max_steps=steps, gradient_accumulation_steps=accum, save_strategy="steps",
+                  save_steps=1)
+    trainer = _trainer(model, samples, out / "bias", **common)
+    trainer.train()
+    _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, torch.optim.SGD(ref.parameters(), lr=0.5), 0.0,
+                     [], BIAS_RATE)
+    result = _bias_result(model, ref)
+    trainer.save_model(str(out / "bias" / "final"))
+    if dist.get_rank() == 0:
+        plain = AutoModelForCausalLM.from_pretrained(out / "bias" / "final")
+        result["reload_equal"] = all(torch.equal(b, _biases(ref)[n]) for n, b in _biases(plain).items())
+    dist.barrier()
+    resumed_model = ep_model()
+    _trainer(resumed_model, samples, out / "bias", **common).train(resume_from_checkpoint=str(out / "bias" / "checkpoint-1"))
+    result["resumed_equal"] = all(torch.equal(b, _biases(model)[n]) for n, b in _biases(resumed_model).items())
+    return result
+
+
+def case_accelerate_bias_update(model_dir, out):
+    """routing.bias_update_rate through accelerate at EP 2 (accumulate(2), two SGD steps): the biases of a
+    hand update; save_state, one more step, load_state puts the saved biases back."""
+    from accelerate import Accelerator
+
+    world, steps, accum = dist.get_world_size(), 2, 2
+    _, ref, ep_model = _bias_models(out)
+    _START_BIASES.clear()
+    _START_BIASES.update(_biases(ref))
+    model = ep_model()
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
+    ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
+    prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def step(batch):
+        with accelerator.accumulate(prepared):
+            accelerator.backward(prepared(input_ids=batch, labels=batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for batch in ids[:, dist.get_rank()]:
+        step(batch)
+    _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, torch.optim.SGD(ref.parameters(), lr=0.5), 0.0,
+                     [], BIAS_RATE)
+    result = _bias_result(model, ref)
+    saved = _biases(model)
+    accelerator.save_state(str(out / "bias_state"))
+    for batch in ids[:accum, dist.get_rank()]:
+        step(batch)
+    result["changed_after_save"] = any(not torch.equal(b, saved[n]) for n, b in _biases(model).items())
+    accelerator.load_state(str(out / "bias_state"))
+    result["restored"] = all(torch.equal(b, saved[n]) for n, b in _biases(model).items())
     return result
 
 

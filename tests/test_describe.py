@@ -92,6 +92,7 @@ def test_qwen3_moe_block_archetype_grouped(capsys, config_dirs) -> None:
     st = g["structure"]
     assert (st["router"], st["experts"], st["num_experts"], st["top_k"]) == ("gate", "experts", 8, 2)
     assert st["shared"] is None and st["shared_gate"] is None and st["others"] == []
+    assert st["selection_bias"] is None  # routing.bias_update_rate has nothing to move
     assert g["archetype"]["level"] == "block" and g["archetype"]["shared"] == "none"
     assert g["reason"] is None
     check_snippet(g, 8, ["model.layers.*.mlp"])
@@ -124,7 +125,10 @@ def test_deepseek_v3_additive_shared_skips_dense_layers(capsys, config_dirs) -> 
     # the first `first_k_dense_replace` layers are dense: no MoE block there
     assert g["paths"] == [f"model.layers.{i}.mlp" for i in range(dense, cfg["num_hidden_layers"])]
     assert g["structure"]["shared"] == "shared_experts"
+    assert g["structure"]["selection_bias"] == "gate.e_score_correction_bias"
     assert g["archetype"]["shared"] == "additive"
+    assert main(["describe-moe", str(cfg_dir)]) == 0
+    assert "selection bias gate.e_score_correction_bias (routing.bias_update_rate" in capsys.readouterr().out
     check_snippet(g, 8, ["model.layers.*.mlp"])
     assert "model.layers.0.mlp" in g["plan_snippet"]  # the glob also matches the dense MLPs: said so
 

@@ -156,7 +156,7 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
                 "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
-                "trainer_lora_fp8_kept"]
+                "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update"]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,19 @@ def test_routing_statistics_logged_equal_a_hand_count(case: str, engine_results:
         if case == "accelerate" and rank:
             continue  # accelerate's trackers log on the main process only
         assert_routing_logged(r, 3, rank)
+
+
+@pytest.mark.parametrize("case", ["trainer_bias_update", "accelerate_bias_update"])
+def test_selection_bias_updates_equal_a_hand_update(case: str, engine_results: dict) -> None:
+    """routing.bias_update_rate on a tiny DeepSeek-V3 at EP 2 through Trainer and accelerate: the biases
+    are bitwise a hand update of the unmodified model from each step's global count, alike on every
+    rank, and the weights still follow the unmodified model; checkpoints keep them (resume, plain
+    transformers' load, accelerate's load_state)."""
+    for r in engine_results[case]:
+        assert r["biases_equal"] and r["same_on_every_rank"] and r["worst"] <= TOL, r
+        assert min(r["moved"]) > 0, r
+        assert r.get("resumed_equal", True) and r.get("restored", True) and r.get("changed_after_save", True), r
+    assert engine_results[case][0].get("reload_equal", True), engine_results[case][0]
 
 
 def test_prepared_accelerator_saves_every_rank_s_experts(engine_results: dict) -> None:

@@ -124,6 +124,8 @@ CHANGES = [
     "runtime: {dequant_chunk_mb: 8}",
     "runtime: {fp8_gemm: true}",
     "routing: {stats: false}",
+    "routing: {bias_update_rate: 0.001}",
+    "routing: {freeze_router: true}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]
@@ -286,6 +288,8 @@ ERRORS = [
     (HEAD + "modules:\n  include: model.layers.*.mlp\n", 4, "modules.include", ["must be a list"]),
     (HEAD + "modules:\n  include: [3]\n", 4, "modules.include[0]", ["must be a string", "got 3"]),
     (HEAD + "runtime: 4\n", 3, "runtime", ["must be a mapping", "got 4"]),
+    (HEAD + "routing:\n  bias_update_rate: -0.001\n", 4, "routing.bias_update_rate", [">= 0"]),
+    (HEAD + "routing:\n  freeze_router: 1\n", 4, "routing.freeze_router", ["got 1"]),
     (HEAD + "output:\n  dir: ''\n", 4, "output.dir", ["must not be empty"]),
     (
         HEAD + "extensions:\n  - ok.module\n  - not-a-module\n",

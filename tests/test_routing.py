@@ -92,3 +92,90 @@ def test_stats_off(tmp_path: Path) -> None:
     assert all(getattr(m, "hp_routing_load", None) is None for m in model.modules())
     with pytest.raises(ExpertParallelError, match=r"routing\.stats: false"):
         hp_rewrite.routing_stats(model)
+
+
+def _deepseek(tmp_path: Path, routing: str):
+    ref = build_tiny_model(tiny_config("deepseek_v3"), seed=0).train()
+    plan = parse_plan(f"version: 1\nep_size: 1\n{routing}")
+    return ref, rewrite_model(copy.deepcopy(ref), plan, artifact_dir=tmp_path)
+
+
+def _biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def test_selection_bias_updated_after_each_step_as_by_hand(tmp_path: Path) -> None:
+    """routing.bias_update_rate in a loop (track_routing): after every optimizer step of two micro-batches
+    each bias moved by rate * sign(mean load - load) of that step, exactly as a hand update of the
+    unmodified model; the gradients are untouched (the parameters follow the unmodified model's)."""
+    rate = 0.01
+    ref, model = _deepseek(tmp_path, f"routing: {{bias_update_rate: {rate}}}\n")
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    hp_rewrite.track_routing(model, opt)
+    counts, _ = count_routing(ref)
+    start = _biases(ref)
+    for step in range(3):
+        counts.clear()
+        for micro in range(2):
+            ids = _ids(ref, seed=10 * step + micro)
+            for m in (ref, model):
+                m(input_ids=ids, labels=ids).loss.backward()
+        opt_ref.step()
+        opt.step()
+        for layer, chosen in counts.items():  # the hand update of the unmodified model
+            bias = ref.get_buffer(f"model.layers.{layer}.mlp.gate.e_score_correction_bias")
+            load = chosen.float()
+            bias.add_(torch.sign(load.mean() - load), alpha=rate)
+        for m in (ref, model):
+            m.zero_grad()
+    got, want = _biases(model), _biases(ref)
+    assert got.keys() == want.keys() and got
+    assert all(torch.equal(got[n], want[n]) for n in want), (got, want)
+    assert all(not torch.equal(want[n], start[n]) for n in want)  # they moved
+    worst = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+                                                                           strict=True))
+    assert worst <= 1e-5
+
+
+def test_selection_bias_update_refused_without_a_step_or_a_bias(tmp_path: Path) -> None:
+    _, model = _deepseek(tmp_path, "routing: {bias_update_rate: 0.001}\n")
+    ids = _ids(model)
+    with torch.no_grad():
+        model(input_ids=ids)  # evaluation needs no step
+    with pytest.raises(ExpertParallelError, match=r"hp_rewrite\.track_routing\(model, optimizer\)"):
+        model(input_ids=ids).logits.sum().backward()
+    with pytest.raises(ExpertParallelError, match=r"routing\.bias_update_rate: the router of model\.layers\.0\.mlp "
+                                                  r"\(Qwen3MoeSparseMoeBlock\) has no selection bias"):
+        _models(tmp_path / "qwen", routing="routing: {bias_update_rate: 0.001}\n")
+
+
+def test_frozen_router_gets_no_gradient(tmp_path: Path) -> None:
+    """routing.freeze_router: the routers train nothing (no gradient, so no optimizer state), and every
+    other gradient is the unmodified model's with its routers frozen the same way."""
+    ref, model = _deepseek(tmp_path, "routing: {freeze_router: true}\n")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"model.layers.1.mlp.gate.weight"}, frozen
+    ref.get_parameter("model.layers.1.mlp.gate.weight").requires_grad_(False)
+    ids = _ids(ref)
+    for m in (ref, model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (grads[n] is None), n
+        if p.grad is not None:
+            assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7), n
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    assert model.get_parameter("model.layers.1.mlp.gate.weight") not in opt.state
+
+
+def test_frozen_router_with_an_adapter_on_it_refused(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    _, model = _models(tmp_path, routing="routing: {freeze_router: true}\n")
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["gate"]))
+    trainer = Trainer(model=peft, args=TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[]))
+    with pytest.raises(ExpertParallelError, match=r"routing\.freeze_router is set, but router parameters train: "
+                                                  r".*mlp\.gate\.modules_to_save"):
+        hp_rewrite.prepare_trainer(trainer)

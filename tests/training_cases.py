@@ -364,21 +364,23 @@ def _mismatched_sizes(cls, directory: str, kwargs: dict, plan, art: Path) -> lis
 
 
 def count_routing(model) -> tuple[dict, list]:
-    """Hooks on the routers (``layers.<i>.mlp.gate``) of an unmodified model counting, by hand, the
-    experts they choose: ``{layer: [E] counts}`` summed over its forwards, and the hooks' handles."""
+    """Hooks on the experts (``layers.<i>.mlp.experts``) of an unmodified model counting, by hand, the
+    experts its routers chose (the ``top_k_index`` the block hands them): ``{layer: [E] counts}``
+    summed over its forwards, and the hooks' handles."""
     counts, handles = {}, []
 
     def hook_for(layer: int):
-        def hook(module, args, out):
-            chosen = torch.bincount(out[2].reshape(-1), minlength=out[0].shape[-1])
+        def hook(module, args, kwargs):
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            chosen = torch.bincount(index.reshape(-1), minlength=module.num_experts)
             counts[layer] = counts[layer] + chosen if layer in counts else chosen
         return hook
 
     for name, m in model.named_modules():
-        found = re.search(r"layers\.(\d+)\.mlp\.gate$", name)
+        found = re.search(r"layers\.(\d+)\.mlp\.experts$", name)
         if found:
-            handles.append(m.register_forward_hook(hook_for(int(found.group(1)))))
-    assert handles, "no router found"
+            handles.append(m.register_forward_pre_hook(hook_for(int(found.group(1))), with_kwargs=True))
+    assert handles, "no experts found"
     return counts, handles
 
 

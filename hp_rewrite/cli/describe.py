@@ -156,6 +156,8 @@ def _print_group(g: BlockGroup) -> None:
         router = f"{st.router_inside} (inside a child: the block's own code routes)"
     else:
         router = "- (no child with weight [experts, hidden])"
+    if st.selection_bias:
+        router += f", selection bias {st.selection_bias} (routing.bias_update_rate can balance it)"
     node.add(esc(f"router: {router}"))
     top_k = st.top_k if st.top_k is not None else "?"
     node.add(

@@ -10,7 +10,9 @@ from ..codegen import Artifact, import_artifact
 from ..match import find_blocks
 from ..match.analysis import expert_placement
 from ..match.diagnosis import nothing_to_rewrite
+from ..match.structure import router_path, selection_bias
 from ..runtime import ExchangeRuntime, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+from ..runtime.routing_load import RouterOf
 
 
 def _qualname(cls: type) -> str:
@@ -36,6 +38,7 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             continue  # unmatched when analysed: left untouched
         install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard,
                                 placement=expert_placement(plan, s, ep), runtime=runtime, bind_forward=not s.self_held)
+        s.experts.hp_router = RouterOf(s.block, router_path(s), *(selection_bias(s) or (None, None)))
         if not s.self_held:  # a block holding its experts has only the block forward
             s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
         block_entry = classes.get(_qualname(type(s.block)))

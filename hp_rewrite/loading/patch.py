@@ -33,7 +33,7 @@ from ..runtime import (
     exchange_runtimes,
 )
 from ..runtime.engines import EngineGuard, install_engine_guard
-from ..runtime.routing_load import ModelRouting, install_routing_loads
+from ..runtime.routing_load import ModelRouting, freeze_routers, install_routing_loads
 from .rank0 import rank0_first
 
 PLAN_ENV = "HP_REWRITE_PLAN"
@@ -114,10 +114,13 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
 
     if info.plan.tp_size > 1:
         info.tensor = split_dense(model, info.plan, info.ep, info.patched)
+    routing = info.plan.routing
+    if routing.freeze_router:  # before any engine or optimizer sees the router parameters
+        freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
-    if info.plan.routing.stats:
-        info.routing = install_routing_loads(model)
+    if routing.stats or routing.bias_update_rate:
+        info.routing = install_routing_loads(model, log=routing.stats, bias_update_rate=routing.bias_update_rate)
     load_full_checkpoints(model)
     install_adapter_state_hooks(model)
     model.hp_rewrite = info

@@ -57,6 +57,7 @@ from .structure import (
     find_blocks,
     find_experts_holders,
     nested_router,
+    selection_bias,
 )
 
 
@@ -77,6 +78,7 @@ class BlockFacts:
     others: tuple[str, ...]  # children that fit no role
     router_inside: str | None = None  # no router child: the router Linear inside another child (router.classifier)
     expert_modules: str | None = None  # experts held as modules: class, count, roles, activation
+    selection_bias: str | None = None  # the router's selection bias (routing.bias_update_rate moves it)
 
     def as_dict(self) -> dict:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
@@ -279,6 +281,7 @@ def _block_group(r: MatchResult) -> tuple[tuple, BlockGroup]:
         others=tuple(s.others),
         router_inside=nested_router(s),
         expert_modules=describe_expert_modules(s),
+        selection_bias=".".join(p for p in (selection_bias(s) or ()) if p) or None,
     )
     tried = list(r.tried)
     if r.archetype is not None and r.archetype.level == "experts" and not tried:

@@ -177,6 +177,33 @@ def nested_router(s: BlockStructure) -> str | None:
     return None
 
 
+#: the names transformers gives a router's selection bias (DeepSeek-V3's correction bias and its kin)
+SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+
+
+def router_path(s: BlockStructure) -> str | None:
+    """The block's child holding its router (``gate``; ``router`` around AfMoE's ``router.gate``; a child
+    named ``gate`` or ``router`` otherwise, as LongCat's, whose router also scores its zero experts)."""
+    path = s.router_name or nested_router(s) or next((n for n in ("gate", "router") if n in s.others), None)
+    return None if path is None else path.split(".")[0]
+
+
+def selection_bias(s: BlockStructure) -> tuple[str, str] | None:
+    """``(owner path below the block, attribute)`` of the router's selection bias: a tensor named as
+    transformers names it, in the router's subtree (DeepSeek-V3's ``gate``, Ernie's
+    ``gate.moe_statics``) or on the block itself (MiniMax-M2, AfMoE, LFM2); None when it has none."""
+    router = router_path(s)
+    owners = [] if router is None else [(f"{router}.{p}" if p else router, m)
+                                        for p, m in s.block.get_submodule(router).named_modules()]
+    owners.append(("", s.block))
+    for path, owner in owners:
+        for name in SELECTION_BIAS_NAMES:
+            value = getattr(owner, name, None) if name in owner._buffers or name in owner._parameters else None
+            if value is not None:
+                return path, name
+    return None
+
+
 def describe_expert_modules(s: BlockStructure) -> str | None:
     """One line on experts held as modules: their class and count, the role of each projection and the
     activation (``8 x TinyMoeMLP: gate w1, up w3, down w2, activation silu``); None for 3-D layouts."""

@@ -147,9 +147,14 @@ class RoutingSection(_Section):
     ``stats``: count what the routers choose in every training forward (on the device, no host sync),
     reduce the counts over the world once per optimizer step, and log them (``moe/`` keys) where a
     prepared Trainer, TRL trainer or accelerate run logs; ``hp_rewrite.routing_stats(model)`` reads them.
+    ``bias_update_rate``: after every optimizer step, each router's selection bias moves by this much
+    toward even load (DeepSeek-V3's auxiliary-loss-free balancing); 0 = never, as transformers.
+    ``freeze_router``: the routers' weights and biases get no gradient and no optimizer state.
     """
 
     stats: bool = True
+    bias_update_rate: float = Field(0.0, ge=0, allow_inf_nan=False)
+    freeze_router: bool = False
 
 
 class PlacementSection(_Section):

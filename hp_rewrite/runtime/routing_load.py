@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
+from .errors import ExpertParallelError
+
 
 def counted_forward() -> bool:
     """Whether the running forward is a training forward seen for the first time: with gradients (or
@@ -55,10 +57,18 @@ class ExpertLoad:
         self.chosen: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
         self.bytes_sent = 0
+        self.owner: ModelRouting | None = None
 
     def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int) -> None:
         if not counted_forward():
             return
+        if self.owner is not None and self.owner.bias_update_rate and not self.owner.tracked:
+            raise ExpertParallelError(
+                "routing.bias_update_rate: nothing updates the routers' selection bias after the optimizer "
+                "steps; call hp_rewrite.track_routing(model, optimizer) once before training (a Trainer prepared "
+                "by hp_rewrite.prepare_trainer and an Accelerator by prepare_accelerator do it), or set "
+                "routing.bias_update_rate: 0"
+            )
         if self.chosen is None:
             self.chosen, self.dropped = kept + dropped, dropped.clone()
         else:
@@ -75,6 +85,35 @@ class ExpertLoad:
         extra = torch.full((1,), self.bytes_sent, dtype=torch.int64, device=device)  # a fill: nothing uploaded
         self.chosen, self.dropped, self.bytes_sent = None, None, 0
         return torch.cat([chosen.to(device), dropped.to(device), extra])
+
+
+@dataclass(frozen=True, eq=False)
+class RouterOf:
+    """Where one MoE layer's router lives (set on its experts holder at install): the block, the
+    block's child holding the router, and the owner (path below the block, ``""`` the block itself) and
+    name of its selection bias. Looked up by name each time: moving the model replaces its tensors."""
+
+    block: nn.Module
+    router: str | None
+    bias_owner: str | None = None
+    bias_name: str | None = None
+
+    def router_module(self) -> nn.Module | None:
+        return None if self.router is None else self.block.get_submodule(self.router)
+
+    def bias(self) -> torch.Tensor | None:
+        if self.bias_name is None:
+            return None
+        owner = self.block.get_submodule(self.bias_owner) if self.bias_owner else self.block
+        return getattr(owner, self.bias_name)
+
+
+def update_selection_bias(bias: torch.Tensor, chosen: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: ``bias += rate * sign(mean load - load)`` (an
+    underloaded expert is chosen more often next step), in the bias's dtype, outside autograd."""
+    load = chosen.to(device=bias.device, dtype=torch.float32)
+    with torch.no_grad():
+        bias.view(-1).add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)
 
 
 @dataclass(frozen=True)
@@ -97,9 +136,15 @@ class ModelRouting:
     """The routing counts of one rewritten model: per step, reduced over ``group`` (the world when
     None and torch.distributed is initialised); kept on the device until read."""
 
-    def __init__(self, holders: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, holders: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None, *,
+                 log: bool = True, bias_update_rate: float = 0.0) -> None:
         self.names = [name for name, _ in holders]
         self.loads = [h.hp_routing_load for _, h in holders]
+        self.routers = [h.hp_router for _, h in holders]
+        self.log, self.bias_update_rate = log, bias_update_rate
+        self.tracked = False  # something calls step() after every optimizer step (track_routing, the engines)
+        for load in self.loads:
+            load.owner = self
         indices = [layer_index(n, i) for i, n in enumerate(self.names)]
         self.indices = indices if len(set(indices)) == len(indices) else list(range(len(indices)))
         self.group = group
@@ -137,7 +182,11 @@ class ModelRouting:
         self.steps += 1
         if flat is None:
             return []
-        return list(flat.split([2 * load.num_experts + 1 for load in self.loads]))
+        layers = list(flat.split([2 * load.num_experts + 1 for load in self.loads]))
+        if self.bias_update_rate:
+            for counts, load, router in zip(layers, self.loads, self.routers, strict=True):
+                update_selection_bias(router.bias(), counts[: load.num_experts], self.bias_update_rate)
+        return layers
 
     def read(self) -> tuple[int, list[LayerCounts]]:
         """``(steps, per-layer counts)`` of the window, read to the host at once; the window empties."""
@@ -154,12 +203,55 @@ class ModelRouting:
         return steps, out
 
 
-def install_routing_loads(model: nn.Module, group: dist.ProcessGroup | None = None) -> ModelRouting:
-    """Give every experts holder of ``model`` an :class:`ExpertLoad` and return the model's counts."""
-    holders = []
-    for name, m in model.named_modules():
-        binding = vars(m).get("hp_expert_parallel")
-        if binding is not None:
-            m.hp_routing_load = ExpertLoad(binding.num_experts)
-            holders.append((name, m))
-    return ModelRouting(holders, group)
+def _holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every experts holder of ``model``, each with its :class:`RouterOf` (installed by hand: none known)."""
+    found = [(name, m) for name, m in model.named_modules() if vars(m).get("hp_expert_parallel") is not None]
+    for _, m in found:
+        if vars(m).get("hp_router") is None:
+            m.hp_router = RouterOf(m, None)
+    return found
+
+
+def install_routing_loads(model: nn.Module, group: dist.ProcessGroup | None = None, *, log: bool = True,
+                          bias_update_rate: float = 0.0) -> ModelRouting:
+    """Give every experts holder of ``model`` an :class:`ExpertLoad` and return the model's counts;
+    with ``bias_update_rate`` every layer's router must have a selection bias of one weight per expert."""
+    holders = _holders(model)
+    for name, m in holders:
+        binding, bias = m.hp_expert_parallel, m.hp_router.bias()
+        if bias_update_rate and (bias is None or bias.numel() != binding.num_experts):
+            what = "has no selection bias (e_score_correction_bias, expert_bias)" if bias is None else \
+                f"has a selection bias of {bias.numel()} values for {binding.num_experts} routed experts"
+            raise ExpertParallelError(
+                f"routing.bias_update_rate: the router of {name.rsplit('.', 1)[0] or name} "
+                f"({type(m.hp_router.block).__name__}) {what}; the update needs one bias per routed expert "
+                "(DeepSeek-V3's routers and their kin): set routing.bias_update_rate: 0 for this model"
+            )
+        m.hp_routing_load = ExpertLoad(binding.num_experts)
+    return ModelRouting(holders, group, log=log, bias_update_rate=bias_update_rate)
+
+
+def freeze_routers(model: nn.Module) -> None:
+    """``routing.freeze_router``: every rewritten layer's router weights and biases (its selection bias
+    too, when a parameter) stop requiring gradients, before any engine or optimizer sees them."""
+    for name, m in _holders(model):
+        router = m.hp_router.router_module()
+        if router is None:
+            raise ExpertParallelError(
+                f"routing.freeze_router: no router module found in {name.rsplit('.', 1)[0] or name} "
+                f"({type(m.hp_router.block).__name__}); freeze its router parameters yourself "
+                "(requires_grad_(False)) and drop routing.freeze_router"
+            )
+        for p in router.parameters():
+            p.requires_grad_(False)
+        bias = m.hp_router.bias()
+        if isinstance(bias, nn.Parameter):
+            bias.requires_grad_(False)
+
+
+def router_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter inside the rewritten layers' router modules (adapters put on them included),
+    by its name in ``model``."""
+    ids = {id(p) for _, m in _holders(model) if m.hp_router.router_module() is not None
+           for p in m.hp_router.router_module().parameters()}
+    return {n: p for n, p in model.named_parameters() if id(p) in ids}

@@ -163,15 +163,9 @@ def routing_stats(model: nn.Module):
     return stats(model)
 
 
-def routing_step(model: nn.Module) -> None:
-    """Reduce the step's routing counts over the world: after ``optimizer.step()``, on every rank."""
-    from .routing import routing_step as step
-
-    step(model)
-
-
 def track_routing(model: nn.Module, optimizer):
-    """:func:`routing_step` after every ``optimizer.step()`` of ``optimizer`` (a step post hook)."""
+    """After every ``optimizer.step()`` of ``optimizer`` (a step post hook): the routing counts reduced,
+    the selection biases updated (``routing.bias_update_rate``); see :mod:`.routing`."""
     from .routing import track_routing as track
 
     return track(model, optimizer)

@@ -1,13 +1,13 @@
-"""Routing statistics of a training run, and the engines' hooks that reduce and log them.
+"""Routing statistics and control in training, and the engines' hooks that drive them.
 
-The counts are taken in the forward (:mod:`hp_rewrite.runtime.routing_load`); here they become
-statistics (:class:`RoutingStats`): per MoE layer the tokens each expert was chosen for over the global
-batch (every rank, every micro-batch), its imbalance (max / mean load), experts that received
-nothing, slots dropped for capacity, exchange bytes. A prepared Trainer (TRL's trainers included) and
-a prepared Accelerator reduce the counts after every optimizer step and add ``moe/`` keys to the
-next log, so they reach ``log_history`` and every ``report_to`` tracker; a hand-written loop calls
-:func:`routing_step` after ``optimizer.step()`` (or :func:`track_routing` once) and
-:func:`routing_stats` where it logs.
+The counts are taken in the forward (:mod:`hp_rewrite.runtime.routing_load`); after every optimizer
+step they are reduced over the world and the routers' selection biases move
+(``routing.bias_update_rate``). Here they also become statistics (:class:`RoutingStats`): per MoE
+layer the tokens each expert was chosen for over the global batch (every rank, every micro-batch),
+its imbalance (max / mean load), experts that received nothing, slots dropped for capacity, exchange
+bytes. A prepared Trainer (TRL's trainers included) and a prepared Accelerator step the counts and
+add ``moe/`` keys to their next log, so they reach ``log_history`` and every ``report_to`` tracker; a
+hand-written loop calls :func:`track_routing` once and :func:`routing_stats` where it logs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError
-from ..runtime.routing_load import LayerCounts, ModelRouting
+from ..runtime.routing_load import LayerCounts, ModelRouting, router_parameters
 from . import info_of, rewritten_model
 
 #: beside a prepared Trainer's checkpoints (its ``output_dir``) or in an Accelerator's ``project_dir``
@@ -83,6 +83,8 @@ def routing_stats(model: nn.Module) -> RoutingStats:
     """The routing statistics since the last read (then they start again). Every rank calls it: the
     counts not reduced by a step yet are reduced here (one all-reduce)."""
     routing = _routing_of(model, "routing_stats")
+    if not routing.log:
+        raise ExpertParallelError("routing_stats: the plan turns routing statistics off (routing.stats: false)")
     routing.reduce()
     return RoutingStats(*_read(routing))
 
@@ -92,17 +94,31 @@ def _read(routing: ModelRouting) -> tuple[int, tuple[LayerCounts, ...]]:
     return steps, tuple(layers)
 
 
-def routing_step(model: nn.Module) -> None:
-    """After ``optimizer.step()``, on every rank: reduce the step's routing counts over the world."""
-    _routing_of(model, "routing_step").step()
-
-
 def track_routing(model: nn.Module, optimizer):
-    """Call :func:`routing_step` after every ``optimizer.step()`` (a step post hook on ``optimizer``,
-    or on the optimizer an accelerate ``AcceleratedOptimizer`` wraps). Returns the hook's handle."""
+    """After every ``optimizer.step()`` (a step post hook on ``optimizer``, or on the optimizer an
+    accelerate ``AcceleratedOptimizer`` wraps): the step's routing counts reduced over the world, the
+    selection biases updated (``routing.bias_update_rate``). Call it once, on every rank, before
+    training; returns the hook's handle."""
     routing = _routing_of(model, "track_routing")
     inner = getattr(optimizer, "optimizer", optimizer)
-    return inner.register_step_post_hook(lambda *_: routing.step())
+    handle = inner.register_step_post_hook(lambda *_: routing.step())
+    routing.tracked = True
+    return handle
+
+
+def refuse_trainable_routers(model: nn.Module, what: str) -> None:
+    """``routing.freeze_router``: a router parameter that trains anyway (an adapter on the router, PEFT's
+    ``modules_to_save``, ``requires_grad_(True)`` after loading) is refused by name."""
+    inner = rewritten_model(model)
+    if not inner.hp_rewrite.plan.routing.freeze_router:
+        return
+    training = [n for n, p in router_parameters(model).items() if p.requires_grad]
+    if training:
+        raise ExpertParallelError(
+            f"{what}: routing.freeze_router is set, but router parameters train: {', '.join(training[:4])}"
+            f"{' ...' if len(training) > 4 else ''}; take the routers out of the adapter's targets "
+            "(target_modules, modules_to_save) or drop routing.freeze_router"
+        )
 
 
 def _take(routing: ModelRouting) -> RoutingStats | None:
@@ -124,6 +140,7 @@ def prepare_trainer_routing(trainer) -> None:
     """Reduce the routing counts after every optimizer step and add them to the trainer's next log."""
     from transformers import TrainerCallback
 
+    refuse_trainable_routers(trainer.model, "prepare_trainer")
     routing = info_of(trainer.model, "prepare_trainer").routing
     if routing is None or getattr(trainer, "hp_routing", None) is not None:
         return
@@ -133,7 +150,11 @@ def prepare_trainer_routing(trainer) -> None:
             routing.step()
 
     trainer.add_callback(_RoutingStep())
+    routing.tracked = True
     vars(trainer.accelerator).setdefault("hp_routing_by_trainer", []).append(routing)  # not stepped twice
+    trainer.hp_routing = routing
+    if not routing.log:
+        return
     log = trainer.log
 
     def log_with_routing(logs, *args, **kwargs):
@@ -145,7 +166,6 @@ def prepare_trainer_routing(trainer) -> None:
         return log({**logs, **stats.logs()}, *args, **kwargs)
 
     trainer.log = log_with_routing
-    trainer.hp_routing = routing
 
 
 def prepare_accelerator_routing(accelerator, prepared) -> None:
@@ -157,6 +177,7 @@ def prepare_accelerator_routing(accelerator, prepared) -> None:
     by_trainer = vars(accelerator).get("hp_routing_by_trainer", [])  # a prepared Trainer steps and logs them
     for m in prepared:
         if isinstance(m, nn.Module) and rewritten_model(m) is not None:
+            refuse_trainable_routers(m, "prepare_accelerator")
             routing = info_of(m, "prepare_accelerator").routing
             if routing is not None and all(r is not routing for r in known + by_trainer):
                 known.append(routing)
@@ -167,12 +188,13 @@ def prepare_accelerator_routing(accelerator, prepared) -> None:
         if isinstance(inner, torch.optim.Optimizer):
             for routing in known:
                 inner.register_step_post_hook(lambda *_, r=routing: r.step())
+                routing.tracked = True
     if not vars(accelerator).get("hp_routing_logs"):
         log = accelerator.log
 
         def log_with_routing(values, step=None, *args, **kwargs):
             extra = {}
-            for i, routing in enumerate(known):
+            for i, routing in enumerate(r for r in known if r.log):
                 stats = _take(routing)
                 if stats is None:
                     continue
