@@ -92,8 +92,11 @@ ZERO_EXPERT_FAMILIES = ["longcat_flash"]
 
 @pytest.mark.parametrize("model_type", ZERO_EXPERT_FAMILIES)
 def test_zero_experts_match_unmodified(model_type: str, tmp_path: Path) -> None:
+    from tests.test_zero_experts import longcat_holds_zero_experts
+
     r = compare(model_type, str(tmp_path))
-    assert len(r["patched"]) == 2 and {a["layout"] for a in r["archetypes"]} == {"fused-zero-experts"}, r
+    layout = "fused-zero-experts" if longcat_holds_zero_experts() else "fused"  # transformers 5.25: in the block
+    assert len(r["patched"]) == 2 and {a["layout"] for a in r["archetypes"]} == {layout}, r
     assert r["worst_err"] <= TOL, f"{model_type}: {r['worst']} relative error {r['worst_err']:.2e}"
 
 
