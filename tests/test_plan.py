@@ -126,6 +126,7 @@ CHANGES = [
     "routing: {stats: false}",
     "routing: {bias_update_rate: 0.001}",
     "routing: {freeze_router: true}",
+    "routing: {replay_in_recompute: false}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

@@ -179,3 +179,120 @@ def test_frozen_router_with_an_adapter_on_it_refused(tmp_path: Path) -> None:
     with pytest.raises(ExpertParallelError, match=r"routing\.freeze_router is set, but router parameters train: "
                                                   r".*mlp\.gate\.modules_to_save"):
         hp_rewrite.prepare_trainer(trainer)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst_grad(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item() for n in want)
+
+
+def _bias_moved_in_recompute(model) -> None:
+    """Every router's selection bias shifted while activation checkpointing recomputes (inside backward):
+    the recomputed router would choose other experts than its forward did (the weights, from the
+    unbiased scores, are unchanged)."""
+    def shift(module, args):
+        if torch._C._current_graph_task_id() != -1:
+            module.hp_saved_bias = module.e_score_correction_bias.clone()
+            module.e_score_correction_bias.add_(torch.linspace(-1, 1, module.e_score_correction_bias.numel()))
+
+    def restore(module, args, out):
+        if getattr(module, "hp_saved_bias", None) is not None:
+            module.e_score_correction_bias.copy_(module.hp_saved_bias)
+            module.hp_saved_bias = None
+
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_pre_hook(shift)
+            m.register_forward_hook(restore)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_replays_the_forward_s_routing(reentrant: bool, tmp_path: Path) -> None:
+    """A recomputation that would choose other experts (its selection bias shifted in backward) replays the
+    forward's choice: the gradients are the unmodified model's without checkpointing; with
+    routing.replay_in_recompute: false the same recomputation gives other gradients (or fails)."""
+    ids = _ids(build_tiny_model(tiny_config("deepseek_v3"), seed=0), rows=4)
+    results = {}
+    for replay in (True, False):
+        ref, model = _deepseek(tmp_path / str(replay), f"routing: {{replay_in_recompute: {str(replay).lower()}}}\n")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        _bias_moved_in_recompute(model)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+            results[replay] = _worst_grad(_grads(model), _grads(ref))
+        except torch.utils.checkpoint.CheckpointError:
+            results[replay] = float("inf")  # torch noticed the recomputation differ
+    assert results[True] <= 1e-5, results
+    assert results[False] > 1e-2, results  # the shifted bias did change the recomputed routing
+
+
+def _forced_router(router, indices: torch.Tensor):
+    """The unmodified Qwen3-MoE router with its top-k fixed to ``indices``: softmax of the current
+    logits, the weights gathered at the given experts, renormalised as the model does."""
+    def forward(hidden):
+        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights = probs.gather(1, indices)
+        if router.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(probs.dtype), indices
+    return forward
+
+
+def test_recorded_routing_replayed_in_training(tmp_path: Path) -> None:
+    """record_routing around a rollout forward (no gradients), the routers then moved (as a policy update
+    moves them), the routes saved and loaded: the training forward under replay_routing (with activation
+    checkpointing) sends every token to the recorded experts, and its gradients equal those of the
+    unmodified model with the same top-k fixed in its routers."""
+    ref, model = _models(tmp_path)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = _ids(ref, rows=4)
+    with hp_rewrite.record_routing(model) as routes, torch.no_grad():
+        model(input_ids=ids)
+    routes.save(tmp_path / "routes.safetensors")
+    loaded = hp_rewrite.Routes.load(tmp_path / "routes.safetensors")
+    assert {n: [t.tolist() for t in c] for n, c in loaded.layers.items()} == \
+        {n: [t.tolist() for t in c] for n, c in routes.layers.items()}
+    with torch.no_grad():  # the policy moves: left alone, the routers would choose differently
+        for m in (ref, model):
+            for name, p in m.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    with torch.no_grad():
+        fresh = {n: torch.bincount(c[0].long().reshape(-1), minlength=8) for n, c in routes.layers.items()}
+        model(input_ids=ids)
+        assert any(not torch.equal(m.hp_last_stats.tokens_per_expert, fresh[n]) for n, m in model.named_modules()
+                   if n in fresh)
+    with hp_rewrite.replay_routing(model, loaded):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name, m in model.named_modules():
+        if name in fresh:
+            assert torch.equal(m.hp_last_stats.tokens_per_expert, fresh[name]), name
+    for name, m in ref.named_modules():
+        if name.endswith("mlp.gate"):
+            m.forward = _forced_router(m, routes.layers[name.replace("gate", "experts")][0].long())
+    ref(input_ids=ids, labels=ids).loss.backward()
+    assert _worst_grad(_grads(model), _grads(ref)) <= 1e-5
+
+
+def test_replay_refusals(tmp_path: Path) -> None:
+    _, model = _models(tmp_path)
+    ids = _ids(model)
+    with hp_rewrite.record_routing(model) as routes, torch.no_grad():
+        model(input_ids=ids)
+    with pytest.raises(ExpertParallelError, match="recorded forwards not replayed"):
+        with hp_rewrite.replay_routing(model, routes):
+            pass
+    with pytest.raises(ExpertParallelError, match="runs more forwards than were recorded"):
+        with hp_rewrite.replay_routing(model, routes), torch.no_grad():
+            model(input_ids=ids)
+            model(input_ids=ids)
+    with pytest.raises(ExpertParallelError, match="did not choose its experts with torch.topk over 8 scores and k=2 "
+                                                  "for 24 tokens"):
+        with hp_rewrite.replay_routing(model, routes), torch.no_grad():
+            model(input_ids=_ids(model, rows=2))  # 16 tokens: not what was recorded

@@ -38,10 +38,12 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             continue  # unmatched when analysed: left untouched
         install_expert_parallel(s.experts, num_experts=s.num_experts, ep=ep, options=options, shard=shard,
                                 placement=expert_placement(plan, s, ep), runtime=runtime, bind_forward=not s.self_held)
-        s.experts.hp_router = RouterOf(s.block, router_path(s), *(selection_bias(s) or (None, None)))
         if not s.self_held:  # a block holding its experts has only the block forward
             s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
         block_entry = classes.get(_qualname(type(s.block)))
+        block_level = block_entry is not None and block_entry["archetype"]["level"] == "block"
+        s.experts.hp_router = RouterOf(s.block, router_path(s), *(selection_bias(s) or (None, None)),
+                                       chooses=block_level and block_entry["archetype"]["router"] == "topk_router_module")
         if block_entry is not None and block_entry["archetype"]["level"] == "block":
             s.block.hp_original_forward = s.block.forward
             s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)

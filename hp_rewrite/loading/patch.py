@@ -33,6 +33,7 @@ from ..runtime import (
     exchange_runtimes,
 )
 from ..runtime.engines import EngineGuard, install_engine_guard
+from ..runtime.replay import install_replay
 from ..runtime.routing_load import ModelRouting, freeze_routers, install_routing_loads
 from .rank0 import rank0_first
 
@@ -119,6 +120,7 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
         freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
+    install_replay(model, routing.replay_in_recompute)
     if routing.stats or routing.bias_update_rate:
         info.routing = install_routing_loads(model, log=routing.stats, bias_update_rate=routing.bias_update_rate)
     load_full_checkpoints(model)

@@ -150,11 +150,13 @@ class RoutingSection(_Section):
     ``bias_update_rate``: after every optimizer step, each router's selection bias moves by this much
     toward even load (DeepSeek-V3's auxiliary-loss-free balancing); 0 = never, as transformers.
     ``freeze_router``: the routers' weights and biases get no gradient and no optimizer state.
+    ``replay_in_recompute``: activation checkpointing's recomputation reuses the experts its forward chose.
     """
 
     stats: bool = True
     bias_update_rate: float = Field(0.0, ge=0, allow_inf_nan=False)
     freeze_router: bool = False
+    replay_in_recompute: bool = True
 
 
 class PlacementSection(_Section):

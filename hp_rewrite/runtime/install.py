@@ -36,6 +36,7 @@ from .experts import (
 )
 from .groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
+from .replay import LayerRoutes
 from .routers import from_dispatch_masks
 
 
@@ -49,6 +50,8 @@ class ExpertParallelBinding:
     # the deferred-gradient queue and turn hook its exchanges get (the model's, shared by its layers)
     runtime: ExchangeRuntime = field(default_factory=ExchangeRuntime, compare=False, repr=False)
     zero_experts: int = 0  # identity experts after the routed ones: computed locally, never dispatched
+    # what routing replay keeps and hands out for this layer (runtime.replay)
+    routes: LayerRoutes = field(default_factory=LayerRoutes, compare=False, repr=False)
 
     @property
     def num_experts(self) -> int:

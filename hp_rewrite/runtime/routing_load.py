@@ -97,6 +97,7 @@ class RouterOf:
     router: str | None
     bias_owner: str | None = None
     bias_name: str | None = None
+    chooses: bool = False  # the router module itself takes the top-k (the block calls it as a module)
 
     def router_module(self) -> nn.Module | None:
         return None if self.router is None else self.block.get_submodule(self.router)
