@@ -5,6 +5,7 @@ ranks, are tested in test_engines.py and test_fsdp_engines.py."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,39 @@ def test_replay_refusals(tmp_path: Path) -> None:
                                                   "for 24 tokens"):
         with hp_rewrite.replay_routing(model, routes), torch.no_grad():
             model(input_ids=_ids(model, rows=2))  # 16 tokens: not what was recorded
+
+
+def test_profile_draws_a_run_s_logged_routing(tmp_path: Path) -> None:
+    """A prepared Trainer's routing log (one line per log, per-expert counts) becomes `hp-rewrite profile
+    --routing-log`'s heatmap and JSON: every layer's counts summed over the run, which a balanced
+    placement reads; a file that is not a routing log is a user error."""
+    from transformers import Trainer, TrainingArguments
+
+    from hp_rewrite.cli import main
+    from hp_rewrite.plan import load_plan
+
+    _, model = _models(tmp_path)
+    samples = [{"input_ids": row, "labels": row.clone()} for row in _ids(model, rows=8, seed=4)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=3,
+                             logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = hp_rewrite.prepare_trainer(Trainer(model=model, args=args, train_dataset=samples))
+    trainer.train()
+    log = tmp_path / "run" / "hp_rewrite_routing.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 3 and all(line["steps"] == 1 for line in lines)
+    assert all(layer["tokens"] == 16 and sum(layer["tokens_per_expert"]) == 32 for line in lines
+               for layer in line["layers"])
+    assert main(["profile", "--routing-log", str(log), "--ep", "2", "--out", str(tmp_path / "prof")]) == 0
+    data = json.loads((tmp_path / "prof" / "profile.json").read_text())
+    assert (tmp_path / "prof" / "profile.png").stat().st_size > 1000
+    assert data["num_tokens"] == 48 and data["top_k"] == 2 and data["ep"] == 2
+    for i, layer in enumerate(data["layers"]):
+        assert layer["path"] == f"model.layers.{i}.mlp"
+        assert layer["tokens_per_expert"] == [sum(c) for c in zip(*(line["layers"][i]["tokens_per_expert"]
+                                                                     for line in lines), strict=True)]
+    plan = tmp_path / "balanced.yaml"
+    plan.write_text(f"version: 1\nep_size: 2\nplacement: {{strategy: balanced, profile: {tmp_path / 'prof'}/profile.json}}\n")
+    assert set(load_plan(plan).placement.loads) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert main(["profile", "--routing-log", str(tmp_path / "bad.jsonl")]) == 2
+    assert main(["profile", "--routing-log", str(log), str(plan)]) == 2

@@ -188,6 +188,25 @@ def heatmap(profile: RoutingProfile, ep: int, out: Path) -> Path:
     return out
 
 
+def from_routing_log(path: Path) -> RoutingProfile:
+    """The tokens per expert of every layer summed over a training run's routing log (the
+    ``hp_rewrite_routing.jsonl`` a prepared Trainer or Accelerator writes, one line per log)."""
+    totals: dict[str, list[int]] = {}
+    tokens: dict[str, int] = {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for line in lines:
+        for lay in line["layers"]:
+            counts = totals.setdefault(lay["block"], [0] * len(lay["tokens_per_expert"]))
+            totals[lay["block"]] = [a + b for a, b in zip(counts, lay["tokens_per_expert"], strict=True)]
+            tokens[lay["block"]] = tokens.get(lay["block"], 0) + lay["tokens"]
+    layers = tuple(LayerProfile(block, layer_index(block), tuple(c)) for block, c in totals.items())
+    first = next(iter(tokens), None)
+    num_tokens = tokens[first] if first is not None else 0
+    top_k = sum(totals[first]) // num_tokens if num_tokens else None
+    steps = sum(line["steps"] for line in lines)
+    return RoutingProfile(f"{path.name} ({steps} steps)", num_tokens, top_k, layers)
+
+
 def write_profile(profile: RoutingProfile, ep: int, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / "profile.json"

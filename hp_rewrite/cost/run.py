@@ -244,3 +244,23 @@ def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: i
         raise UserError(f"--ep {ep} does not divide the {bad[0]} experts: choose an ep that divides it")
     js, png = write_profile(prof, ep, Path(out or "hp-rewrite-profile"))
     return prof, ep, js, png
+
+
+def profile_logged_routing(log: Path, ep: int | None, out: Path | None):
+    """What :func:`profile_routing` returns, from a training run's routing log (every logged step summed)."""
+    from .profile import from_routing_log, write_profile
+
+    if not log.is_file():
+        raise UserError(f"--routing-log {log}: no such file (a prepared Trainer writes it in its output_dir)")
+    try:
+        prof = from_routing_log(log)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--routing-log {log}: not a routing log written by hp-rewrite ({e})") from None
+    if not prof.layers:
+        raise UserError(f"--routing-log {log}: no logged step")
+    ep = ep or 1
+    bad = sorted({len(lay.tokens_per_expert) for lay in prof.layers if len(lay.tokens_per_expert) % ep})
+    if bad:
+        raise UserError(f"--ep {ep} does not divide the {bad[0]} experts: choose an ep that divides it")
+    js, png = write_profile(prof, ep, Path(out or "hp-rewrite-profile"))
+    return prof, ep, js, png

@@ -321,7 +321,8 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     (holder or experts).hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
     load = getattr(holder or experts, "hp_routing_load", None)  # plan routing: counts kept for the step
     if load is not None:
-        load.record(state.stats.tokens_per_expert, state.stats.dropped_per_expert, state.stats.bytes_sent)
+        load.record(state.stats.tokens_per_expert, state.stats.dropped_per_expert, state.stats.bytes_sent,
+                    state.num_tokens)
     exchange, link, k = state.exchange, state.link, state.top_k
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []

@@ -50,16 +50,22 @@ def _in_reentrant_checkpoint() -> bool:
 
 class ExpertLoad:
     """One layer's routing counts since the last :meth:`take`: ``chosen [E]`` slots per expert (the
-    router's choice, before any capacity drop), ``dropped [E]``, and the bytes its exchange sent."""
+    router's choice, before any capacity drop), ``dropped [E]``, the bytes its exchange sent and the
+    tokens it routed (host values, not counted while compiled)."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
         self.chosen: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
-        self.bytes_sent = 0
+        self.bytes_sent = self.tokens = 0
         self.owner: ModelRouting | None = None
 
-    def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int) -> None:
+    @property
+    def width(self) -> int:
+        """Values per layer in the reduced vector: chosen [E], dropped [E], bytes, tokens."""
+        return 2 * self.num_experts + 2
+
+    def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int, tokens: int) -> None:
         if not counted_forward():
             return
         if self.owner is not None and self.owner.bias_update_rate and not self.owner.tracked:
@@ -74,17 +80,18 @@ class ExpertLoad:
         else:
             self.chosen += kept + dropped
             self.dropped += dropped
-        if not torch.compiler.is_compiling():  # a host int here; a traced size under compile
+        if not torch.compiler.is_compiling():  # host ints here; traced sizes under compile
             self.bytes_sent += int(bytes_sent)
+            self.tokens += int(tokens)
 
     def take(self, device: torch.device) -> torch.Tensor:
-        """``[2E + 1]`` int64 on ``device``: chosen, dropped, bytes; the counts start again from zero."""
+        """``[2E + 2]`` int64 on ``device``: chosen, dropped, bytes, tokens; the counts start again from zero."""
         e = self.num_experts
         chosen = self.chosen if self.chosen is not None else torch.zeros(e, dtype=torch.int64, device=device)
         dropped = self.dropped if self.dropped is not None else torch.zeros(e, dtype=torch.int64, device=device)
-        extra = torch.full((1,), self.bytes_sent, dtype=torch.int64, device=device)  # a fill: nothing uploaded
-        self.chosen, self.dropped, self.bytes_sent = None, None, 0
-        return torch.cat([chosen.to(device), dropped.to(device), extra])
+        host = [torch.full((1,), v, dtype=torch.int64, device=device) for v in (self.bytes_sent, self.tokens)]
+        self.chosen, self.dropped, self.bytes_sent, self.tokens = None, None, 0, 0
+        return torch.cat([chosen.to(device), dropped.to(device), *host])  # fills: nothing uploaded
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,9 +130,11 @@ class LayerCounts:
 
     name: str
     index: int
+    block: str  # the MoE block's path (placement loads and profiles are keyed by it)
     tokens_per_expert: tuple[int, ...]
     dropped_per_expert: tuple[int, ...]
     bytes_sent: int
+    tokens: int
 
 
 def layer_index(name: str, ordinal: int) -> int:
@@ -140,6 +149,7 @@ class ModelRouting:
     def __init__(self, holders: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None, *,
                  log: bool = True, bias_update_rate: float = 0.0) -> None:
         self.names = [name for name, _ in holders]
+        self.blocks = [name if h.hp_router.block is h else name.rsplit(".", 1)[0] for name, h in holders]
         self.loads = [h.hp_routing_load for _, h in holders]
         self.routers = [h.hp_router for _, h in holders]
         self.log, self.bias_update_rate = log, bias_update_rate
@@ -176,14 +186,14 @@ class ModelRouting:
         self.this_step = flat if self.this_step is None else self.this_step + flat
 
     def step(self) -> list[torch.Tensor]:
-        """After an optimizer step (every rank): reduce, and return each layer's ``[2E + 1]`` global
-        counts of that step (chosen, dropped, bytes); the next step starts from zero."""
+        """After an optimizer step (every rank): reduce, and return each layer's ``[2E + 2]`` global
+        counts of that step (chosen, dropped, bytes, tokens); the next step starts from zero."""
         self.reduce()
         flat, self.this_step = self.this_step, None
         self.steps += 1
         if flat is None:
             return []
-        layers = list(flat.split([2 * load.num_experts + 1 for load in self.loads]))
+        layers = list(flat.split([load.width for load in self.loads]))
         if self.bias_update_rate:
             for counts, load, router in zip(layers, self.loads, self.routers, strict=True):
                 update_selection_bias(router.bias(), counts[: load.num_experts], self.bias_update_rate)
@@ -196,11 +206,11 @@ class ModelRouting:
         if window is None:
             return 0, []
         values, out, start = window.tolist(), [], 0
-        for name, index, load in zip(self.names, self.indices, self.loads, strict=True):
+        for name, index, block, load in zip(self.names, self.indices, self.blocks, self.loads, strict=True):
             e = load.num_experts
-            part = values[start : start + 2 * e + 1]
-            out.append(LayerCounts(name, index, tuple(part[:e]), tuple(part[e : 2 * e]), part[2 * e]))
-            start += 2 * e + 1
+            part = values[start : start + load.width]
+            out.append(LayerCounts(name, index, block, tuple(part[:e]), tuple(part[e : 2 * e]), *part[2 * e :]))
+            start += load.width
         return steps, out
 
 

@@ -67,8 +67,10 @@ class RoutingStats:
     def as_dict(self) -> dict:
         """JSON-ready: every layer's counts (what ``hp-rewrite profile --routing-log`` draws)."""
         return {"steps": self.steps, "layers": [
-            {"name": layer.name, "index": layer.index, "tokens_per_expert": list(layer.tokens_per_expert),
-             "dropped_per_expert": list(layer.dropped_per_expert), "bytes_sent": layer.bytes_sent}
+            {"name": layer.name, "index": layer.index, "block": layer.block,
+             "tokens_per_expert": list(layer.tokens_per_expert),
+             "dropped_per_expert": list(layer.dropped_per_expert), "bytes_sent": layer.bytes_sent,
+             "tokens": layer.tokens}
             for layer in self.layers]}
 
 
