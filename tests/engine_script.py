@@ -564,9 +564,9 @@ def _biases(model) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
-def _bias_models(out: Path):
-    """A tiny DeepSeek-V3 checkpoint (rank 0 writes it once), the unmodified model and the EP 2 one with
-    routing.bias_update_rate."""
+def _bias_setup(out: Path, steps: int, accum: int):
+    """A tiny DeepSeek-V3 checkpoint (rank 0 writes it once), the unmodified model, a maker of the EP 2 one
+    with routing.bias_update_rate, the samples of ``steps`` global batches and the biases at the start."""
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.tiny import make_tiny
 
@@ -580,19 +580,18 @@ def _bias_models(out: Path):
         return hp_rewrite.from_pretrained(checkpoint, plan=plan, artifact_dir=out / "art_bias",
                                           attn_implementation="eager")
 
-    return checkpoint, _reference(checkpoint), ep_model
+    ref = _reference(checkpoint)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * dist.get_world_size() * accum * steps)
+    return checkpoint, ref, ep_model, samples, _biases(ref)
 
 
-def _bias_result(model, ref) -> dict:
+def _bias_result(model, ref, start: dict) -> dict:
     got, want = _biases(model), _biases(ref)
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, {n: b.tolist() for n, b in got.items()})
     return {"biases_equal": bool(got) and got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want),
-            "moved": [float((want[n] - b).abs().max()) for n, b in _START_BIASES.items()],
+            "moved": [float((want[n] - b).abs().max()) for n, b in start.items()],
             "same_on_every_rank": all(d == digests[0] for d in digests), "worst": _worst(model, ref)[0]}
-
-
-_START_BIASES: dict = {}
 
 
 def case_trainer_bias_update(model_dir, out):
@@ -603,18 +602,15 @@ def case_trainer_bias_update(model_dir, out):
     from transformers import AutoModelForCausalLM
 
     world, steps, accum = dist.get_world_size(), 3, 2
-    checkpoint, ref, ep_model = _bias_models(out)
-    _START_BIASES.clear()
-    _START_BIASES.update(_biases(ref))
+    checkpoint, ref, ep_model, samples, start = _bias_setup(out, steps, accum)
     model = ep_model()
-    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     common = dict(learning_rate=0.5, max_steps=steps, gradient_accumulation_steps=accum, save_strategy="steps",
                   save_steps=1)
     trainer = _trainer(model, samples, out / "bias", **common)
     trainer.train()
     _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, torch.optim.SGD(ref.parameters(), lr=0.5), 0.0,
                      [], BIAS_RATE)
-    result = _bias_result(model, ref)
+    result = _bias_result(model, ref, start)
     trainer.save_model(str(out / "bias" / "final"))
     if dist.get_rank() == 0:
         plain = AutoModelForCausalLM.from_pretrained(out / "bias" / "final")
@@ -632,11 +628,8 @@ def case_accelerate_bias_update(model_dir, out):
     from accelerate import Accelerator
 
     world, steps, accum = dist.get_world_size(), 2, 2
-    _, ref, ep_model = _bias_models(out)
-    _START_BIASES.clear()
-    _START_BIASES.update(_biases(ref))
+    _, ref, ep_model, samples, start = _bias_setup(out, steps, accum)
     model = ep_model()
-    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     accelerator = hp_rewrite.prepare_accelerator(Accelerator(cpu=True, gradient_accumulation_steps=accum))
     ids = torch.stack([s["input_ids"] for s in samples]).view(steps * accum, world, PER_DEVICE, SEQ)
     prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -651,7 +644,7 @@ def case_accelerate_bias_update(model_dir, out):
         step(batch)
     _reference_steps(ref, samples, steps, PER_DEVICE * world * accum, torch.optim.SGD(ref.parameters(), lr=0.5), 0.0,
                      [], BIAS_RATE)
-    result = _bias_result(model, ref)
+    result = _bias_result(model, ref, start)
     saved = _biases(model)
     accelerator.save_state(str(out / "bias_state"))
     for batch in ids[:accum, dist.get_rank()]:
