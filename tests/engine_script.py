@@ -655,6 +655,107 @@ def case_accelerate_bias_update(model_dir, out):
     return result
 
 
+def _aux_models(model_dir, out: Path):
+    """The unmodified model and the EP 2 one with routing.aux_loss: global, both returning their
+    load-balancing loss (output_router_logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from hp_rewrite.plan import parse_plan
+
+    plan = parse_plan("version: 1\nep_size: 2\nrouting: {aux_loss: global}\n")
+    kwargs = dict(attn_implementation="eager", output_router_logits=True)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).train()
+    return ref, hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=out / "art_aux", **kwargs)
+
+
+def _global_reference(ref, samples, steps: int, accum: int, lr: float) -> None:
+    """SGD steps of the unmodified model, each over ``accum`` global micro-batches (every rank's
+    micro-batch i, concatenated): its loss there, load-balancing term included, averaged over them."""
+    optimizer, size = torch.optim.SGD(ref.parameters(), lr=lr), len(samples) // (steps * accum)
+    for step in range(steps):
+        for i in range(accum):
+            chunk = samples[(step * accum + i) * size : (step * accum + i + 1) * size]
+            ids = torch.stack([s["input_ids"] for s in chunk])
+            (ref(input_ids=ids, labels=ids).loss / accum).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def case_loop_global_aux(model_dir, out):
+    """routing.aux_loss: global in a hand-written DDP loop at EP 2 (two steps of two micro-batches, padded
+    rows masked): the unmodified model's steps on the concatenated micro-batches of both ranks; the
+    aux_loss every rank reports is the global micro-batch's, not its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    world, rank, steps, accum = dist.get_world_size(), dist.get_rank(), 2, 2
+    ref, model = _aux_models(model_dir, out)
+    ddp = DistributedDataParallel(model)
+    optimizer, ref_optimizer = torch.optim.SGD(model.parameters(), lr=1.0), torch.optim.SGD(ref.parameters(), lr=1.0)
+    ids = torch.stack([s["input_ids"] for s in _samples(ref.config.vocab_size, steps * accum * world * PER_DEVICE)])
+    ids = ids.view(steps, accum, world * PER_DEVICE, SEQ)
+    mask = torch.ones(world * PER_DEVICE, SEQ, dtype=torch.long)
+    mask[::PER_DEVICE, :3] = 0  # each rank's first row starts with 3 padding tokens: the same count on every rank
+    module = sys.modules[type(ref).__module__]
+    reported, local, wanted = [], [], []
+    for step in range(steps):
+        for i in range(accum):
+            batch = ids[step, i]
+            labels = batch.masked_fill(mask == 0, -100)
+            mine = slice(rank * PER_DEVICE, (rank + 1) * PER_DEVICE)
+            got = ddp(input_ids=batch[mine], attention_mask=mask[mine], labels=labels[mine])
+            (got.loss / accum).backward()
+            want = ref(input_ids=batch, attention_mask=mask, labels=labels)
+            (want.loss / accum).backward()
+            reported.append(got.aux_loss.item())
+            wanted.append(want.aux_loss.item())
+            local.append(float(module.load_balancing_loss_func(got.router_logits, 8, 2, mask[mine])))
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name, "reported": reported, "wanted": wanted, "local": local}
+
+
+def case_trainer_global_aux(model_dir, out):
+    """routing.aux_loss: global through Trainer at EP 2 (two SGD steps, accumulation 2): the unmodified model
+    stepped on the global micro-batches (Trainer's own weighting of the per-rank term, ranks x steps, is
+    not applied to the global one)."""
+    world, steps, accum = dist.get_world_size(), 2, 2
+    ref, model = _aux_models(model_dir, out)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    _trainer(model, samples, out / "global_aux", max_steps=steps, gradient_accumulation_steps=accum,
+             gradient_checkpointing=True).train()
+    _global_reference(ref, samples, steps, accum, 1.0)
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name}
+
+
+def case_sft_global_aux(model_dir, out):
+    """routing.aux_loss: global through TRL's SFTTrainer at EP 2 with its defaults (activation
+    checkpointing, the load-balancing loss from the config's coefficient; SGD, fp32): the unmodified model
+    stepped on the global micro-batches."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.fsdp_engine_script import _tokenizer
+
+    world, steps, accum = dist.get_world_size(), 2, 2
+    ref, model = _aux_models(model_dir, out)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    args = SFTConfig(output_dir=str(out / "sft_global_aux"), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
+                     report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=steps,
+                     gradient_accumulation_steps=accum, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                     max_grad_norm=0.0, train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True,
+                     disable_tqdm=True)
+    data = Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in samples]})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer(ref.config.vocab_size))
+    hp_rewrite.prepare_trainer(trainer).train()
+    _global_reference(ref, samples, steps, accum, 1.0)
+    worst, name = _worst(model, ref)
+    return {"worst": worst, "worst_name": name, "checkpointing": args.gradient_checkpointing,
+            "aux_loss": trainer.aux_loss_enabled}
+
+
 def case_trainer_compile(model_dir, out):
     """Trainer(torch_compile=True): the compiled expert-parallel model, one SGD step."""
     world = dist.get_world_size()

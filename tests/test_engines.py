@@ -156,7 +156,8 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
 ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate", "trainer_compile",
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
                 "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
-                "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update"]
+                "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update", "loop_global_aux",
+                "trainer_global_aux", "sft_global_aux"]
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,20 @@ def test_selection_bias_updates_equal_a_hand_update(case: str, engine_results: d
         assert min(r["moved"]) > 0, r
         assert r.get("resumed_equal", True) and r.get("restored", True) and r.get("changed_after_save", True), r
     assert engine_results[case][0].get("reload_equal", True), engine_results[case][0]
+
+
+@pytest.mark.parametrize("case", ["loop_global_aux", "trainer_global_aux", "sft_global_aux"])
+def test_global_load_balancing_loss_equals_the_concatenated_batch(case: str, engine_results: dict) -> None:
+    """routing.aux_loss: global at EP 2 in a DDP loop (padded rows), Trainer and TRL's SFTTrainer (its
+    defaults: activation checkpointing, the loss on): the unmodified model stepped on the concatenated
+    micro-batches of both ranks; in the loop every rank reports the global loss, not its own."""
+    for r in engine_results[case]:
+        assert r["worst"] <= TOL, (r["worst_name"], r["worst"])
+        if case == "loop_global_aux":
+            assert r["reported"] == pytest.approx(r["wanted"], rel=1e-6), r
+            assert all(abs(a - b) > 1e-3 for a, b in zip(r["local"], r["wanted"], strict=True)), r
+        if case == "sft_global_aux":
+            assert r["checkpointing"] and r["aux_loss"], r
 
 
 def test_prepared_accelerator_saves_every_rank_s_experts(engine_results: dict) -> None:

@@ -127,6 +127,7 @@ CHANGES = [
     "routing: {bias_update_rate: 0.001}",
     "routing: {freeze_router: true}",
     "routing: {replay_in_recompute: false}",
+    "routing: {aux_loss: global}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

@@ -95,8 +95,11 @@ def test_stats_off(tmp_path: Path) -> None:
         hp_rewrite.routing_stats(model)
 
 
-def _deepseek(tmp_path: Path, routing: str):
-    ref = build_tiny_model(tiny_config("deepseek_v3"), seed=0).train()
+def _deepseek(tmp_path: Path, routing: str, **config):
+    cfg = tiny_config("deepseek_v3")
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    ref = build_tiny_model(cfg, seed=0).train()
     plan = parse_plan(f"version: 1\nep_size: 1\n{routing}")
     return ref, rewrite_model(copy.deepcopy(ref), plan, artifact_dir=tmp_path)
 
@@ -211,15 +214,17 @@ def _bias_moved_in_recompute(model) -> None:
             m.register_forward_hook(restore)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_recompute_replays_the_forward_s_routing(reentrant: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("reentrant", "groups"), [(False, 2), (True, 2), (False, 1)])
+def test_recompute_replays_the_forward_s_routing(reentrant: bool, groups: int, tmp_path: Path) -> None:
     """A recomputation that would choose other experts (its selection bias shifted in backward) replays the
     forward's choice: the gradients are the unmodified model's without checkpointing; with
-    routing.replay_in_recompute: false the same recomputation gives other gradients (or fails)."""
+    routing.replay_in_recompute: false the same recomputation gives other gradients (or fails). With one
+    expert group (GLM-4.5, Kimi-K2) the group's top-2 over all experts is not mistaken for the routing."""
     ids = _ids(build_tiny_model(tiny_config("deepseek_v3"), seed=0), rows=4)
     results = {}
     for replay in (True, False):
-        ref, model = _deepseek(tmp_path / str(replay), f"routing: {{replay_in_recompute: {str(replay).lower()}}}\n")
+        ref, model = _deepseek(tmp_path / str(replay), f"routing: {{replay_in_recompute: {str(replay).lower()}}}\n",
+                               n_group=groups, topk_group=1)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         _bias_moved_in_recompute(model)
         ref(input_ids=ids, labels=ids).loss.backward()
@@ -333,3 +338,33 @@ def test_profile_draws_a_run_s_logged_routing(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text("not json\n")
     assert main(["profile", "--routing-log", str(tmp_path / "bad.jsonl")]) == 2
     assert main(["profile", "--routing-log", str(log), str(plan)]) == 2
+
+
+def test_routers_without_a_top_k_recompute_afresh(tmp_path: Path) -> None:
+    """PhiMoE's sparsemixer chooses without torch.topk: under activation checkpointing the default replay
+    steps aside for it, with a warning, and the gradients are the unmodified model's (same random draws)."""
+    ref = build_tiny_model(tiny_config("phimoe"), seed=0).train()
+    model = rewrite_model(copy.deepcopy(ref), parse_plan("version: 1\nep_size: 1\n"), artifact_dir=tmp_path)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = _ids(ref)
+    torch.manual_seed(0)  # the sparsemixer samples in training
+    with pytest.warns(UserWarning, match="does not choose its experts with torch.topk"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.manual_seed(0)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    assert _worst_grad(_grads(model), _grads(ref)) <= 1e-5
+
+
+def test_global_load_balancing_loss_refusals(tmp_path: Path) -> None:
+    """routing.aux_loss: global on a model without transformers' loss, or trained without computing it."""
+    with pytest.raises(ExpertParallelError, match=r"routing\.aux_loss: global: DeepseekV3ForCausalLM has no "
+                                                  r"transformers load-balancing loss"):
+        _deepseek(tmp_path / "ds", "routing: {aux_loss: global}\n")
+    _, model = _models(tmp_path, routing="routing: {aux_loss: global}\n")  # output_router_logits off
+    ids = _ids(model)
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)  # evaluation: transformers' loss (none here)
+    with pytest.raises(ExpertParallelError, match="computed no load-balancing loss; load the model with "
+                                                  "output_router_logits=True"):
+        model(input_ids=ids, labels=ids)

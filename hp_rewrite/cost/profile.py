@@ -193,7 +193,10 @@ def from_routing_log(path: Path) -> RoutingProfile:
     ``hp_rewrite_routing.jsonl`` a prepared Trainer or Accelerator writes, one line per log)."""
     totals: dict[str, list[int]] = {}
     tokens: dict[str, int] = {}
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = {}  # a resumed run logs its steps again from the checkpoint's: the later line of a step wins
+    for line in (json.loads(text) for text in path.read_text().splitlines() if text.strip()):
+        by_step[line["step"]] = line
+    lines = list(by_step.values())
     for line in lines:
         for lay in line["layers"]:
             counts = totals.setdefault(lay["block"], [0] * len(lay["tokens_per_expert"]))

@@ -7,6 +7,7 @@ import types
 from torch import nn
 
 from ..codegen import Artifact, import_artifact
+from ..hf import top_k_of
 from ..match import find_blocks
 from ..match.analysis import expert_placement
 from ..match.diagnosis import nothing_to_rewrite
@@ -42,8 +43,11 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             s.experts.forward = types.MethodType(getattr(module, entry["function"]), s.experts)
         block_entry = classes.get(_qualname(type(s.block)))
         block_level = block_entry is not None and block_entry["archetype"]["level"] == "block"
-        s.experts.hp_router = RouterOf(s.block, router_path(s), *(selection_bias(s) or (None, None)),
-                                       chooses=block_level and block_entry["archetype"]["router"] == "topk_router_module")
+        router = router_path(s)
+        s.experts.hp_router = RouterOf(
+            s.block, router, *(selection_bias(s) or (None, None)),
+            chooses=block_level and block_entry["archetype"]["router"] == "topk_router_module",
+            top_k=top_k_of(s.block, s.block.get_submodule(router) if router else None, getattr(model, "config", None)))
         if block_entry is not None and block_entry["archetype"]["level"] == "block":
             s.block.hp_original_forward = s.block.forward
             s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)

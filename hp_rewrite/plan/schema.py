@@ -31,6 +31,7 @@ ComputeKind = Literal["auto", "grouped", "eager", "npu", "batched"]
 DropPolicy = Literal["probs", "position"]
 RouterDtype = Literal["auto", "fp32", "logits"]
 PlacementStrategy = Literal["contiguous", "balanced"]
+AuxLossKind = Literal["micro_batch", "global"]
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,15 @@ class RoutingSection(_Section):
     toward even load (DeepSeek-V3's auxiliary-loss-free balancing); 0 = never, as transformers.
     ``freeze_router``: the routers' weights and biases get no gradient and no optimizer state.
     ``replay_in_recompute``: activation checkpointing's recomputation reuses the experts its forward chose.
+    ``aux_loss``: the load-balancing loss on each rank's micro-batch (``micro_batch``, transformers') or on
+    the global batch of every data-parallel rank (``global``).
     """
 
     stats: bool = True
     bias_update_rate: float = Field(0.0, ge=0, allow_inf_nan=False)
     freeze_router: bool = False
     replay_in_recompute: bool = True
+    aux_loss: AuxLossKind = "micro_batch"
 
 
 class PlacementSection(_Section):

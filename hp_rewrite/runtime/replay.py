@@ -19,6 +19,7 @@ A block whose router does not choose with ``torch.topk`` is refused when replaye
 from __future__ import annotations
 
 import sys
+import warnings
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,16 +55,21 @@ class ForcedTopK(TorchFunctionMode):
     Gathering also where nothing is forced keeps a checkpointed forward and its recomputation alike:
     autograd saves the same tensors for both (``torch.utils.checkpoint`` compares them)."""
 
-    def __init__(self, indices: torch.Tensor | None, widths: tuple[int, ...], keep: bool = False) -> None:
+    def __init__(self, indices: torch.Tensor | None, widths: tuple[int, ...], top_k: int | None,
+                 keep: bool = False) -> None:
         super().__init__()
         self.indices, self.widths, self.keep = indices, widths, keep
+        self.top_k = indices.shape[-1] if indices is not None else top_k
         self.chosen: torch.Tensor | None = None
 
     def _routing(self, scores: torch.Tensor, k, dim) -> bool:
+        """The routing's top-k: over one score per expert, ``k`` experts per token. A group's score over a
+        single group (DeepSeek-style routers with ``n_group`` 1, ``[T, 1, E]``) is not it."""
         if self.chosen is not None or scores.shape[-1] not in self.widths or dim not in (-1, scores.dim() - 1):
             return False
-        return self.indices is None or (k == self.indices.shape[-1] and
-                                        scores.shape[:-1].numel() == self.indices.shape[0])
+        if k != self.top_k or (scores.dim() > 2 and scores.shape[-2] == 1):
+            return False
+        return self.indices is None or scores.shape[:-1].numel() == self.indices.shape[0]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,6 +94,7 @@ class LayerRoutes:
 
     def __init__(self) -> None:
         self.widths: tuple[int, ...] = ()
+        self.top_k: int | None = None
         self.in_recompute = False  # plan routing.replay_in_recompute, set when the model is rewritten
         self.pending: deque[torch.Tensor] = deque()  # checkpointed forwards waiting for their recomputation
         self.recording: list[torch.Tensor] | None = None
@@ -101,7 +108,12 @@ class LayerRoutes:
 
     def note(self, indices: torch.Tensor) -> None:
         """The layer's dispatch got ``indices [T, K]``: kept when recording."""
-        if self.recording is not None and not torch.compiler.is_compiling() and not _inside_backward():
+        if self.recording is None:
+            return
+        if torch.compiler.is_compiling():
+            raise ExpertParallelError("record_routing: a compiled forward cannot record its routing; record it "
+                                      "with the model not compiled (torch.compile replays its own graph)")
+        if not _inside_backward():
             self.recording.append(self._stored(indices))
 
     def _forced(self, training: bool) -> tuple[torch.Tensor | None, bool, bool]:
@@ -115,7 +127,7 @@ class LayerRoutes:
                 raise ExpertParallelError(
                     f"routing replay: {self.name} is recomputed while {waiting} of its checkpointed forwards wait "
                     "for backward, so which one's routing to replay is not known; run backward after each forward "
-                    "(a forward with gradients whose loss is not backpropagated: run it under torch.no_grad()), or "
+                    "before the next (a forward whose loss is not backpropagated: run it under torch.no_grad()), or "
                     "set routing.replay_in_recompute: false"
                 )
             return self.pending.popleft(), True, False
@@ -129,10 +141,13 @@ class LayerRoutes:
     def before(self, block: nn.Module, args) -> None:
         """Forward pre-hook of the block: force (or keep) its top-k."""
         if torch.compiler.is_compiling():  # compiled: the compiler's recomputation replays its graph
+            if self.replaying is not None:
+                raise ExpertParallelError("replay_routing: a compiled forward cannot replay routing; run the "
+                                          "replayed forward with the model not compiled")
             return
         indices, force, keep = self._forced(block.training)
         if force:
-            self.mode = ForcedTopK(indices, self.widths, keep)
+            self.mode = ForcedTopK(indices, self.widths, self.top_k, keep)
             self.mode.__enter__()
 
     def after(self, block: nn.Module, args, output) -> None:
@@ -143,6 +158,13 @@ class LayerRoutes:
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
         if sys.exc_info()[0] is not None:  # the block raised (a recomputation stops once it has what it needs)
+            return
+        if mode.chosen is None and mode.indices is None and self.replaying is None:
+            # the default replay_in_recompute on a router that does not take a torch.topk (PhiMoE's sparsemixer,
+            # Switch's argmax): recomputed afresh, as transformers does
+            self.in_recompute = False
+            warnings.warn(f"routing.replay_in_recompute: the router of {self.name} ({type(block).__name__}) does "
+                          "not choose its experts with torch.topk; its recomputation routes afresh", stacklevel=2)
             return
         if mode.chosen is None:
             want = "" if mode.indices is None else f" and k={mode.indices.shape[-1]} for {mode.indices.shape[0]} tokens"
@@ -172,6 +194,7 @@ def install_replay(model: nn.Module, in_recompute: bool) -> None:
         routes.name, routes.in_recompute = name, in_recompute
         routes.widths = (binding.num_experts + binding.zero_experts, binding.num_experts)
         router = vars(holder).get("hp_router")
+        routes.top_k = router.top_k if router is not None else None
         # the router module when it takes the top-k itself (the mode then lives for the routing only)
         target = holder if router is None else router.router_module() if router.chooses else router.block
         target.register_forward_pre_hook(routes.before)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor
 import torch.utils.checkpoint
 from torch import nn
 
@@ -105,6 +106,7 @@ class RouterOf:
     bias_owner: str | None = None
     bias_name: str | None = None
     chooses: bool = False  # the router module itself takes the top-k (the block calls it as a module)
+    top_k: int | None = None  # experts per token, when the block or its config says
 
     def router_module(self) -> nn.Module | None:
         return None if self.router is None else self.block.get_submodule(self.router)
@@ -116,12 +118,27 @@ class RouterOf:
         return getattr(owner, self.bias_name)
 
 
-def update_selection_bias(bias: torch.Tensor, chosen: torch.Tensor, rate: float) -> None:
+def update_selection_bias(bias: torch.Tensor, chosen: torch.Tensor, rate: float,
+                          master: torch.Tensor | None = None) -> torch.Tensor | None:
     """DeepSeek-V3's auxiliary-loss-free balancing: ``bias += rate * sign(mean load - load)`` (an
-    underloaded expert is chosen more often next step), in the bias's dtype, outside autograd."""
+    underloaded expert is chosen more often next step), outside autograd. A bias not in fp32 is updated
+    through an fp32 ``master`` (returned; pass it back next step): in bf16 a step of 0.001 would round
+    away on any bias above 0.5."""
+    if isinstance(bias, torch.distributed.tensor.DTensor):
+        raise ExpertParallelError(
+            "routing.bias_update_rate: the selection bias is a parameter FSDP2 shards (Ernie 4.5, AfMoE...); "
+            "its update is not supported there yet: set routing.bias_update_rate: 0, or train with DDP"
+        )
     load = chosen.to(device=bias.device, dtype=torch.float32)
+    step = torch.sign(load.mean() - load)
     with torch.no_grad():
-        bias.view(-1).add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)
+        if bias.dtype == torch.float32:
+            bias.view(-1).add_(step, alpha=rate)
+            return None
+        master = bias.detach().float().clone() if master is None else master
+        master.view(-1).add_(step, alpha=rate)
+        bias.copy_(master.view(bias.shape))
+        return master
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,9 @@ class ModelRouting:
         self.blocks = [name if h.hp_router.block is h else name.rsplit(".", 1)[0] for name, h in holders]
         self.loads = [h.hp_routing_load for _, h in holders]
         self.routers = [h.hp_router for _, h in holders]
+        self.replays = [h.hp_expert_parallel.routes for _, h in holders]
+        self.masters: list[torch.Tensor | None] = [None] * len(holders)  # fp32 copies of biases not in fp32
+        self.some_holder = holders[0][1] if holders else None
         self.log, self.bias_update_rate = log, bias_update_rate
         self.tracked = False  # something calls step() after every optimizer step (track_routing, the engines)
         for load in self.loads:
@@ -164,14 +184,14 @@ class ModelRouting:
         self.steps = 0  # optimizer steps since the last read
 
     def _device(self) -> torch.device:
+        """Where the counts live: those of a forward, else of the window, else of the experts' tensors (a
+        rank that counted nothing this step reduces zeros where the others reduce their counts)."""
         found = next((load.chosen.device for load in self.loads if load.chosen is not None), None)
-        if found is not None:
-            return found
-        backend = dist.get_backend(self.group) if dist.is_available() and dist.is_initialized() else "gloo"
-        kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)  # no forward counted here: the backend's device
-        if kind is None:
-            return torch.device("cpu")
-        return torch.device(kind, torch.get_device_module(kind).current_device())
+        found = found or next((t.device for t in (self.window, self.this_step) if t is not None), None)
+        if found is None and self.some_holder is not None:
+            found = next((t.device for t in (*self.some_holder.parameters(), *self.some_holder.buffers())
+                          if t.device.type != "meta"), None)
+        return found or torch.device("cpu")
 
     def reduce(self) -> None:
         """Reduce the counts of the forwards not reduced yet over the world (one all-reduce; every rank
@@ -191,12 +211,15 @@ class ModelRouting:
         self.reduce()
         flat, self.this_step = self.this_step, None
         self.steps += 1
+        for replay in self.replays:  # a checkpointed forward with no backward in the step: nothing to replay
+            replay.pending.clear()
         if flat is None:
             return []
         layers = list(flat.split([load.width for load in self.loads]))
         if self.bias_update_rate:
-            for counts, load, router in zip(layers, self.loads, self.routers, strict=True):
-                update_selection_bias(router.bias(), counts[: load.num_experts], self.bias_update_rate)
+            for i, (counts, load, router) in enumerate(zip(layers, self.loads, self.routers, strict=True)):
+                self.masters[i] = update_selection_bias(router.bias(), counts[: load.num_experts],
+                                                        self.bias_update_rate, self.masters[i])
         return layers
 
     def read(self) -> tuple[int, list[LayerCounts]]:

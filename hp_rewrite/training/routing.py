@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError
+from ..runtime.aux_loss import is_wrapped, wrap_forward
 from ..runtime.routing_load import LayerCounts, ModelRouting, router_parameters
 from . import info_of, rewritten_model
 
@@ -102,6 +103,9 @@ def track_routing(model: nn.Module, optimizer):
     selection biases updated (``routing.bias_update_rate``). Call it once, on every rank, before
     training; returns the hook's handle."""
     routing = _routing_of(model, "track_routing")
+    if routing.tracked:
+        raise ExpertParallelError("track_routing: this model's routing is stepped already (an earlier track_routing, "
+                                  "a prepared Trainer or Accelerator): one step hook per model")
     inner = getattr(optimizer, "optimizer", optimizer)
     handle = inner.register_step_post_hook(lambda *_: routing.step())
     routing.tracked = True
@@ -138,11 +142,31 @@ def _append(path: Path, step: int, stats: RoutingStats) -> None:
         f.write(json.dumps({"step": step, **stats.as_dict()}) + "\n")
 
 
+def _trainer_aux_scale(trainer) -> float:
+    """The factor for the global load-balancing term in the model's ``loss`` under ``trainer``: Trainer
+    multiplies a loss normalised by its token count by the data-parallel ranks and does not divide it by the
+    accumulation steps (transformers' own per-rank term is then weighted ranks x steps too much); the term
+    must come out as its ranks' mean, averaged over the accumulation steps, as in a loop with DDP."""
+    args = trainer.args
+    kwargs_loss = bool(getattr(trainer, "model_accepts_loss_kwargs", False) or trainer.compute_loss_func is not None)
+    scaled_for_ga = getattr(trainer, "loss_is_scaled_for_ga", None)
+    scaled_for_ga = kwargs_loss if scaled_for_ga is None else scaled_for_ga
+    ranks = trainer.accelerator.num_processes // max(1, getattr(trainer, "get_tp_size", lambda: 1)())
+    summed = ranks if args.average_tokens_across_devices and kwargs_loss else 1
+    return 1.0 / (summed * (args.gradient_accumulation_steps if scaled_for_ga else 1))
+
+
 def prepare_trainer_routing(trainer) -> None:
     """Reduce the routing counts after every optimizer step and add them to the trainer's next log."""
     from transformers import TrainerCallback
 
     refuse_trainable_routers(trainer.model, "prepare_trainer")
+    inner = rewritten_model(trainer.model)
+    aux = vars(inner).get("hp_global_aux")
+    if aux is not None:
+        aux.loss_scale = _trainer_aux_scale(trainer)
+        if not is_wrapped(inner):  # the trainer replaced the forward (TRL's fused LM head): wrap it again
+            wrap_forward(inner)
     routing = info_of(trainer.model, "prepare_trainer").routing
     if routing is None or getattr(trainer, "hp_routing", None) is not None:
         return
@@ -160,6 +184,8 @@ def prepare_trainer_routing(trainer) -> None:
     log = trainer.log
 
     def log_with_routing(logs, *args, **kwargs):
+        if any(k.startswith("eval_") for k in logs):  # an evaluation's log: the statistics wait for training's
+            return log(logs, *args, **kwargs)
         stats = _take(routing)
         if stats is None:
             return log(logs, *args, **kwargs)
@@ -188,7 +214,7 @@ def prepare_accelerator_routing(accelerator, prepared) -> None:
     for optimizer in prepared:
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, torch.optim.Optimizer):
-            for routing in known:
+            for routing in (r for r in known if not r.tracked):  # one step hook per model: the first optimizer
                 inner.register_step_post_hook(lambda *_, r=routing: r.step())
                 routing.tracked = True
     if not vars(accelerator).get("hp_routing_logs"):

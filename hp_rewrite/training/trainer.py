@@ -146,10 +146,10 @@ def prepare_trainer(trainer):
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
-    prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
+    prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     if getattr(trainer, "is_fsdp_enabled", False):
         return prepare_fsdp2_trainer(trainer, _save_model, peft)
     if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
