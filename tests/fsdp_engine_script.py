@@ -262,6 +262,22 @@ def _grad_norms(trainer) -> list[float]:
     return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
 
 
+def case_trainer_global_aux(model_dir, out):
+    """routing.aux_loss: global through Trainer under FSDP2 with activation checkpointing (two SGD steps,
+    accumulation 2): the unmodified model stepped on the concatenated micro-batches of every rank."""
+    from tests.engine_script import _aux_models, _global_reference
+
+    world, steps, accum = dist.get_world_size(), 2, 2
+    ref, model = _aux_models(model_dir, out)
+    samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
+    trainer = _trainer(model, samples, out / "global_aux", max_steps=steps, gradient_accumulation_steps=accum,
+                       fsdp_config={**_fsdp_config(), "activation_checkpointing": True})
+    trainer.train()
+    _global_reference(ref, samples, steps, accum, 1.0)
+    worst, name = _worst(trainer.model, ref)
+    return {"worst": worst, "worst_name": name, "is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model)}
+
+
 def case_trainer_sgd(model_dir, out):
     """One SGD step at lr 1 with clipping (a gradient or norm off by any factor moves the weights by it),
     with fsdp_config's activation checkpointing (accelerate wraps the layers after the experts are sharded)."""

@@ -21,7 +21,7 @@ TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_s
              "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora",
              "accelerate_lora_presharded", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
-              "accelerate_lora", "ddp_trainer_lora"]
+              "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 # bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
 # so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
@@ -99,6 +99,14 @@ def test_trainer_fsdp2_routing_statistics_equal_a_hand_count(world: int, request
     as a hand count of the unmodified model's routers gives them."""
     for rank, r in enumerate(request.getfixturevalue({2: "two", 4: "four"}[world])["trainer_full"]):
         assert_routing_logged(r, 3, rank)
+
+
+def test_trainer_fsdp2_global_load_balancing_loss_equals_the_concatenated_batch(four) -> None:
+    """routing.aux_loss: global under FSDP2 at EP 2 x 2 replicas with activation checkpointing and gradient
+    accumulation: the unmodified model on the concatenated micro-batches of the four ranks."""
+    for r in four["trainer_global_aux"]:
+        _sharded_as_fully_shard(r, 4)
+        assert r["worst"] <= TOL, (r["worst_name"], r["worst"])
 
 
 @pytest.mark.parametrize("case", ["trainer_full", "trainer_sharded"])
