@@ -7,8 +7,10 @@ backward, ``hp_rewrite.gradient_sync(model)`` during it (bucketed, like DDP);
 compute while another one's all-to-all is in flight. Inside DDP, Trainer (``prepare_trainer``),
 accelerate, torch.compile and PEFT a rewritten model is exact as it is (docs/training.md);
 ``fully_shard`` / ``load_fully_sharded`` shard it with FSDP2, ``clip_grad_norm_`` clips it,
-``save_checkpoint`` / ``load_checkpoint`` resume it. The routed runtime that generated code calls
-lives in :mod:`hp_rewrite.runtime`.
+``save_checkpoint`` / ``load_checkpoint`` resume it. ``routing_stats`` / ``track_routing`` report and
+step the routing in a loop, ``record_routing`` / ``replay_routing`` (``Routes``) replay recorded experts
+(docs/training.md, Routing). The routed runtime that generated code calls lives in
+:mod:`hp_rewrite.runtime`.
 """
 
 __version__ = "0.1.0"
