@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime import expert_parameters  # noqa: E402
-from tests.training_cases import count_routing  # noqa: E402
+from tests.training_cases import count_routing, z_loss_by_hand  # noqa: E402
 
 PER_DEVICE, SEQ = 2, 8
 
@@ -655,36 +655,41 @@ def case_accelerate_bias_update(model_dir, out):
     return result
 
 
+Z_COEF = 0.01
+
+
 def _aux_models(model_dir, out: Path):
-    """The unmodified model and the EP 2 one with routing.aux_loss: global, both returning their
-    load-balancing loss (output_router_logits)."""
+    """The unmodified model (with a hand z-loss) and the EP 2 one with routing.aux_loss: global and
+    routing.z_loss_coef, both returning their load-balancing loss (output_router_logits)."""
     from transformers import AutoModelForCausalLM
 
     from hp_rewrite.plan import parse_plan
 
-    plan = parse_plan("version: 1\nep_size: 2\nrouting: {aux_loss: global}\n")
+    plan = parse_plan(f"version: 1\nep_size: 2\nrouting: {{aux_loss: global, z_loss_coef: {Z_COEF}}}\n")
     kwargs = dict(attn_implementation="eager", output_router_logits=True)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).train()
+    ref.hp_z = z_loss_by_hand(ref)
     return ref, hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=out / "art_aux", **kwargs)
 
 
 def _global_reference(ref, samples, steps: int, accum: int, lr: float) -> None:
     """SGD steps of the unmodified model, each over ``accum`` global micro-batches (every rank's
-    micro-batch i, concatenated): its loss there, load-balancing term included, averaged over them."""
+    micro-batch i, concatenated): its loss there, load-balancing term and z-loss included, averaged over them."""
     optimizer, size = torch.optim.SGD(ref.parameters(), lr=lr), len(samples) // (steps * accum)
     for step in range(steps):
         for i in range(accum):
             chunk = samples[(step * accum + i) * size : (step * accum + i + 1) * size]
             ids = torch.stack([s["input_ids"] for s in chunk])
-            (ref(input_ids=ids, labels=ids).loss / accum).backward()
+            ((ref(input_ids=ids, labels=ids).loss + Z_COEF * ref.hp_z()) / accum).backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
 def case_loop_global_aux(model_dir, out):
-    """routing.aux_loss: global in a hand-written DDP loop at EP 2 (two steps of two micro-batches, padded
-    rows masked): the unmodified model's steps on the concatenated micro-batches of both ranks; the
-    aux_loss every rank reports is the global micro-batch's, not its own."""
+    """routing.aux_loss: global and routing.z_loss_coef in a hand-written DDP loop at EP 2 (two steps of
+    two micro-batches, padded rows masked): the unmodified model's steps on the concatenated micro-batches
+    of both ranks, with the z-loss by hand; the aux_loss every rank reports is the global micro-batch's,
+    not its own."""
     from torch.nn.parallel import DistributedDataParallel
 
     world, rank, steps, accum = dist.get_world_size(), dist.get_rank(), 2, 2
@@ -705,7 +710,7 @@ def case_loop_global_aux(model_dir, out):
             got = ddp(input_ids=batch[mine], attention_mask=mask[mine], labels=labels[mine])
             (got.loss / accum).backward()
             want = ref(input_ids=batch, attention_mask=mask, labels=labels)
-            (want.loss / accum).backward()
+            ((want.loss + Z_COEF * ref.hp_z(mask)) / accum).backward()
             reported.append(got.aux_loss.item())
             wanted.append(want.aux_loss.item())
             local.append(float(module.load_balancing_loss_func(got.router_logits, 8, 2, mask[mine])))

@@ -128,6 +128,7 @@ CHANGES = [
     "routing: {freeze_router: true}",
     "routing: {replay_in_recompute: false}",
     "routing: {aux_loss: global}",
+    "routing: {z_loss_coef: 0.001}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

@@ -368,3 +368,51 @@ def test_global_load_balancing_loss_refusals(tmp_path: Path) -> None:
     with pytest.raises(ExpertParallelError, match="computed no load-balancing loss; load the model with "
                                                   "output_router_logits=True"):
         model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_router_z_loss_on_the_micro_batch(reentrant: bool, tmp_path: Path) -> None:
+    """routing.z_loss_coef with transformers' own load-balancing loss (micro_batch), under activation
+    checkpointing, padded rows masked: the loss and every gradient are those of the unmodified model plus
+    the z-loss computed by hand; with reentrant checkpointing (whose forward runs without gradients, so the
+    z-loss would train nothing) the training forward is refused."""
+    from tests.training_cases import z_loss_by_hand
+
+    cfg = tiny_config("qwen3_moe")
+    cfg.output_router_logits = True
+    ref = build_tiny_model(cfg, seed=0).train()
+    model = rewrite_model(copy.deepcopy(ref), parse_plan("version: 1\nep_size: 1\nrouting: {z_loss_coef: 0.01}\n"),
+                          artifact_dir=tmp_path)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = _ids(ref, rows=3)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if reentrant:
+        with pytest.raises(ExpertParallelError, match="use_reentrant=False"):
+            model(input_ids=ids, attention_mask=mask, labels=labels)
+        return
+    z = z_loss_by_hand(ref)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    (want.loss + 0.01 * z(mask)).backward()
+    got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    got.loss.backward()
+    assert got.aux_loss.item() == pytest.approx(want.aux_loss.item(), rel=1e-6)  # transformers' own, untouched
+    assert _worst_grad(_grads(model), _grads(ref)) <= 1e-5
+
+
+def test_z_loss_under_a_trainer_that_ignores_it_is_refused(tmp_path: Path) -> None:
+    """TRL's SFTTrainer takes only the load-balancing term from the model: with that term off the z-loss
+    would train nothing, so prepare_trainer refuses it."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.fsdp_engine_script import _tokenizer
+
+    _, model = _models(tmp_path, routing="routing: {z_loss_coef: 0.01}\n")
+    data = Dataset.from_dict({"input_ids": [row.tolist() for row in _ids(model, rows=4)]})
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), use_cpu=True, report_to=[], bf16=False, max_steps=1,
+                     router_aux_loss_coef=0.0)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=_tokenizer(128))
+    with pytest.raises(ExpertParallelError, match=r"routing\.z_loss_coef: SFTTrainer computes its own loss"):
+        hp_rewrite.prepare_trainer(trainer)

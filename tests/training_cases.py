@@ -384,6 +384,30 @@ def count_routing(model) -> tuple[dict, list]:
     return counts, handles
 
 
+def z_loss_by_hand(model):
+    """Hooks on the routers (``layers.<i>.mlp.gate``) of an unmodified model keeping, per call, the
+    logsumexp of its logits (its input times its weight, in fp32); ``z(mask)`` is ST-MoE's router z-loss of
+    the calls kept since the last ``z``: the mean over unpadded tokens of logsumexp squared, summed over
+    the layers."""
+    kept = []
+
+    def hook(module, args, out):
+        kept.append(torch.logsumexp(args[0].reshape(-1, args[0].shape[-1]).float() @ module.weight.float().T, -1))
+
+    for name, m in model.named_modules():
+        if re.search(r"layers\.\d+\.mlp\.gate$", name):
+            m.register_forward_hook(hook)
+
+    def z(mask=None):
+        flat = None if mask is None else mask.reshape(-1).float()
+        total = sum(lse.square().sum() if flat is None else (lse.square() * flat).sum() for lse in kept)
+        tokens = kept[0].numel() if flat is None else flat.sum()
+        kept.clear()
+        return total / tokens
+
+    return z
+
+
 def assert_routing_logged(r: dict, steps: int, rank: int) -> None:
     """The ``moe/`` values a run logged after each of its ``steps`` optimizer steps equal what a hand
     count of the unmodified model's routers gives on the same global batches (``hand_routing``: per

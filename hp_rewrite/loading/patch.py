@@ -32,7 +32,7 @@ from ..runtime import (
     build_expert_parallel_group,
     exchange_runtimes,
 )
-from ..runtime.aux_loss import install_global_aux
+from ..runtime.aux_loss import install_router_losses
 from ..runtime.engines import EngineGuard, install_engine_guard
 from ..runtime.replay import install_replay
 from ..runtime.routing_load import ModelRouting, freeze_routers, install_routing_loads
@@ -122,8 +122,9 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     info.engine = install_engine_guard(model, info.ep)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     install_replay(model, routing.replay_in_recompute)
-    if routing.aux_loss == "global":
-        install_global_aux(model, tp_size=info.plan.tp_size)
+    if routing.aux_loss == "global" or routing.z_loss_coef:
+        install_router_losses(model, balance_globally=routing.aux_loss == "global", z_coef=routing.z_loss_coef,
+                              tp_size=info.plan.tp_size)
     if routing.stats or routing.bias_update_rate:
         info.routing = install_routing_loads(model, log=routing.stats, bias_update_rate=routing.bias_update_rate)
     load_full_checkpoints(model)

@@ -154,6 +154,7 @@ class RoutingSection(_Section):
     ``replay_in_recompute``: activation checkpointing's recomputation reuses the experts its forward chose.
     ``aux_loss``: the load-balancing loss on each rank's micro-batch (``micro_batch``, transformers') or on
     the global batch of every data-parallel rank (``global``).
+    ``z_loss_coef``: adds this times the router z-loss (ST-MoE) to the loss, on the batch ``aux_loss`` says.
     """
 
     stats: bool = True
@@ -161,6 +162,7 @@ class RoutingSection(_Section):
     freeze_router: bool = False
     replay_in_recompute: bool = True
     aux_loss: AuxLossKind = "micro_batch"
+    z_loss_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
 class PlacementSection(_Section):

@@ -142,6 +142,23 @@ def _append(path: Path, step: int, stats: RoutingStats) -> None:
         f.write(json.dumps({"step": step, **stats.as_dict()}) + "\n")
 
 
+def _z_fold(trainer, z_coef: float) -> float | None:
+    """The z-loss's weight inside ``aux_loss`` for a trainer that computes its own loss and adds only
+    ``router_aux_loss_coef * aux_loss`` from the model (TRL's SFTTrainer); None for Trainer's own loss."""
+    from transformers import Trainer
+
+    if type(trainer).compute_loss is Trainer.compute_loss:
+        return None
+    name = type(trainer).__name__
+    if not getattr(trainer, "aux_loss_enabled", False) or not getattr(trainer, "router_aux_loss_coef", 0.0):
+        raise ExpertParallelError(
+            f"prepare_trainer: routing.z_loss_coef: {name} computes its own loss and takes from the model only its "
+            "load-balancing term (aux_loss times router_aux_loss_coef), which is off here, so the z-loss would "
+            "train nothing; turn the load-balancing loss on (router_aux_loss_coef) or set routing.z_loss_coef: 0"
+        )
+    return z_coef / trainer.router_aux_loss_coef  # TRL adds router_aux_loss_coef * aux_loss
+
+
 def _trainer_aux_scale(trainer) -> float:
     """The factor for the global load-balancing term in the model's ``loss`` under ``trainer``: Trainer
     multiplies a loss normalised by its token count by the data-parallel ranks and does not divide it by the
@@ -162,9 +179,11 @@ def prepare_trainer_routing(trainer) -> None:
 
     refuse_trainable_routers(trainer.model, "prepare_trainer")
     inner = rewritten_model(trainer.model)
-    aux = vars(inner).get("hp_global_aux")
-    if aux is not None:
-        aux.loss_scale = _trainer_aux_scale(trainer)
+    losses = vars(inner).get("hp_router_losses")
+    if losses is not None:
+        losses.loss_scale = _trainer_aux_scale(trainer)
+        if losses.z_coef:
+            losses.aux_fold = _z_fold(trainer, losses.z_coef)
         if not is_wrapped(inner):  # the trainer replaced the forward (TRL's fused LM head): wrap it again
             wrap_forward(inner)
     routing = info_of(trainer.model, "prepare_trainer").routing
