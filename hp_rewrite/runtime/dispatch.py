@@ -322,7 +322,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     load = getattr(holder or experts, "hp_routing_load", None)  # plan routing: counts kept for the step
     if load is not None:
         load.record(state.stats.tokens_per_expert, state.stats.dropped_per_expert, state.stats.bytes_sent,
-                    state.num_tokens)
+                    state.num_tokens, (holder or experts).training)
     exchange, link, k = state.exchange, state.link, state.top_k
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []

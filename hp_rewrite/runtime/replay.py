@@ -34,11 +34,12 @@ from .errors import ExpertParallelError
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
-def _inside_backward() -> bool:
+def inside_backward() -> bool:
+    """Whether autograd's backward is running (activation checkpointing recomputes there)."""
     return torch._C._current_graph_task_id() != -1
 
 
-def _inside_checkpoint() -> bool:
+def inside_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` is on the stack (its forward, reentrant or not)."""
     frame = sys._getframe(1)
     while frame is not None:
@@ -113,12 +114,12 @@ class LayerRoutes:
         if torch.compiler.is_compiling():
             raise ExpertParallelError("record_routing: a compiled forward cannot record its routing; record it "
                                       "with the model not compiled (torch.compile replays its own graph)")
-        if not _inside_backward():
+        if not inside_backward():
             self.recording.append(self._stored(indices))
 
     def _forced(self, training: bool) -> tuple[torch.Tensor | None, bool, bool]:
         """``(indices to force, whether to force at all, whether to keep the choice for a recomputation)``."""
-        if _inside_backward():  # a recomputation: its forward's choice, if it kept one
+        if inside_backward():  # a recomputation: its forward's choice, if it kept one
             if not (torch.is_grad_enabled() and self.pending):
                 return None, False, False
             if len(self.pending) > 1:
@@ -131,7 +132,7 @@ class LayerRoutes:
                     "set routing.replay_in_recompute: false"
                 )
             return self.pending.popleft(), True, False
-        checkpointed = training and _inside_checkpoint()  # transformers checkpoints training forwards only
+        checkpointed = training and inside_checkpoint()  # transformers checkpoints training forwards only
         if self.replaying is not None:
             if not self.replaying:
                 raise ExpertParallelError(f"replay_routing: {self.name} runs more forwards than were recorded")

@@ -14,39 +14,27 @@ are read (:meth:`ModelRouting.read`, one host read).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor
-import torch.utils.checkpoint
 from torch import nn
 
 from .errors import ExpertParallelError
+from .replay import inside_backward, inside_checkpoint
 
 
-def counted_forward() -> bool:
-    """Whether the running forward is a training forward seen for the first time: with gradients (or
-    inside reentrant activation checkpointing's forward, which runs without them), and not the
-    recomputation of activation checkpointing (which runs inside backward's graph task)."""
+def counted_forward(training: bool) -> bool:
+    """Whether the running forward is a training forward seen for the first time: with gradients (or,
+    for a module in training mode, inside reentrant activation checkpointing's forward, which runs
+    without them), and not the recomputation of activation checkpointing (inside backward's graph task).
+    The stack is walked only for a training-mode forward without gradients, never in generation."""
     if torch.compiler.is_compiling():  # traced once; the compiler's own recomputation never reruns Python
         return torch.is_grad_enabled()
-    if torch._C._current_graph_task_id() != -1:
+    if inside_backward():
         return False
-    return torch.is_grad_enabled() or _in_reentrant_checkpoint()
-
-
-def _in_reentrant_checkpoint() -> bool:
-    """Whether a caller is ``torch.utils.checkpoint``'s reentrant forward (a short walk up the stack,
-    only for forwards without gradients)."""
-    code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return torch.is_grad_enabled() or (training and inside_checkpoint())
 
 
 class ExpertLoad:
@@ -66,8 +54,9 @@ class ExpertLoad:
         """Values per layer in the reduced vector: chosen [E], dropped [E], bytes, tokens."""
         return 2 * self.num_experts + 2
 
-    def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int, tokens: int) -> None:
-        if not counted_forward():
+    def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int, tokens: int,
+               training: bool) -> None:
+        if not counted_forward(training):
             return
         if self.owner is not None and self.owner.bias_update_rate and not self.owner.tracked:
             raise ExpertParallelError(
