@@ -255,8 +255,18 @@ def sharded_load(rank: int, world: int, payload: dict) -> dict:
     ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         logits = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
-    return {"peak": peak - baseline, "final": final, "worst": worst, "logits": logits,
-            "read": model.hp_rewrite.load_report["bytes_read"]}
+    out = {"peak": peak - baseline, "final": final, "worst": worst, "logits": logits,
+           "read": model.hp_rewrite.load_report["bytes_read"]}
+    if payload.get("missing_dir"):  # tensors the checkpoint lacks (#44): drawn as plain transformers draws them
+        streams = []
+        for load in (lambda d: hp_rewrite.load_fully_sharded(d, plan, artifact_dir=art),
+                     lambda d: AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")):
+            torch.manual_seed(0)
+            streams.append((load(payload["missing_dir"]), torch.random.get_rng_state()))
+        (ours, after_ours), (plain, after_plain) = streams
+        out["missing_worst"] = _compare(ours, plain, lambda p: p.detach())
+        out["missing_stream"] = torch.equal(after_ours, after_plain)
+    return out
 
 
 def peft_fsdp(rank: int, world: int, payload: dict) -> dict:

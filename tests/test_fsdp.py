@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hp_rewrite.launch import run_world
+from tests.missing_experts_cases import _without
 from tests.training_cases import TOL
 
 BF16_TOL = 2e-2  # relative; the unmodified model under the same MixedPrecisionPolicy (measured 4.5e-3)
@@ -171,9 +172,16 @@ def test_fully_sharded_load_reads_only_each_ranks_share(tmp_path: Path) -> None:
     model_dir = tmp_path / "ckpt"
     build_tiny_model(cfg).save_pretrained(model_dir)
     total = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    payload = {"model_dir": str(model_dir), "warmup_dir": str(make_tiny("qwen3_moe", tmp_path / "warm")),
-               "out_dir": str(tmp_path), "ep_size": 2}
+    # what the checkpoint lacks (#44): layer 1's routed experts, layer 0's expert down projections and a
+    # dense weight, drawn as plain transformers draws them (this rank's FSDP2 shard of its experts' rows)
+    warm = make_tiny("qwen3_moe", tmp_path / "warm")
+    missing = tmp_path / "missing"
+    _without(warm, missing, lambda k: k.startswith("model.layers.1.mlp.experts.") or k == "model.layers.0.self_attn.q_proj.weight"
+             or (k.startswith("model.layers.0.mlp.experts.") and k.endswith(".down_proj.weight")))
+    payload = {"model_dir": str(model_dir), "warmup_dir": str(warm), "out_dir": str(tmp_path), "ep_size": 2,
+               "missing_dir": str(missing)}
     for rank, r in enumerate(run_world(4, "tests.fsdp_cases:sharded_load", payload)):
         assert r["worst"] == 0.0 and r["logits"] <= 1e-5, (rank, r)
+        assert r["missing_worst"][0] == 0.0 and r["missing_stream"], (rank, r)
         assert r["peak"] <= 1.15 * r["final"], (rank, r)
         assert r["read"] <= 1.01 * r["final"] < total / 3, (rank, r, total)  # its share, not the model

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hp_rewrite.launch import run_world
+from tests.missing_experts_cases import write_checkpoints
 from tests.tp_cases import TOL
 
 BF16_TOL = 3e-2
@@ -38,13 +39,18 @@ REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv
             dict(id="mesh-order", model_type="qwen3_moe", ep=2, tp=2, sp=False, mesh=((2, 2), ("tp", "dp"))),
             dict(id="mesh-size", model_type="qwen3_moe", ep=2, tp=2, sp=False, mesh=((1, 4), ("dp", "tp")))]
 
+# experts the checkpoint lacks (#44): every family at EP 4, and TP-extended EP (tp 2 x EP 2 and 4)
+MISSING_PLANS = [{"ep": 4}, {"ep": 2, "tp": 2, "only": ["qwen3_moe-layer", "deepseek_v3-projection"]},
+                 {"ep": 4, "tp": 2, "only": ["qwen3_moe-layer"]}]
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp")
     memory = {"ep": 2, "tp": 2, "hidden": 128, "layers": 2, "experts": 8, "moe_intermediate": 64, "vocab": 256,
               "seq": 256, "batch": 2, "artifacts": str(out / "memory")}
-    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(out), "memory": memory}
+    missing = {**write_checkpoints(out / "missing"), "out_dir": str(out / "missing"), "plans": MISSING_PLANS}
+    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(out), "memory": memory, "missing": missing}
     return run_world(4, "tests.tp_cases:tp_world", payload, timeout=900)
 
 
@@ -105,3 +111,14 @@ def test_sequence_parallel_keeps_a_chunk_of_the_activations(world) -> None:
         for part in ("attention", "moe"):
             assert sp[part] <= tp[part] * 1.01 and sp[part] / ep[part] < 0.65, (rank, part, r)
         assert r["tp+sp"]["total"] < r["tp"]["total"] < r["ep"]["total"], (rank, r)
+
+
+def test_missing_experts_at_ep4_and_with_tp_drawn_as_transformers_draws_them(world) -> None:
+    """Experts the checkpoint lacks or mismatches (per-expert, fused, module-list, remote-code checkpoints;
+    a layer, a projection, a wider expert, a question-answering head): every tensor bit-equal to this rank's
+    rows of plain transformers' draw, the same loading info and log lines, the ranks' experts different;
+    a non-per-tensor ``_init_weights`` refused by name (tests/missing_experts_cases.py)."""
+    for rank, results in enumerate(world):
+        r = results["missing"]
+        assert not r["problems"], f"rank {rank}: {r['problems']}"
+        assert r["drawn"] >= 40, r  # random expert tensors compared on this rank

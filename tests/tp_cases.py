@@ -141,4 +141,8 @@ def tp_world(rank: int, world: int, payload: dict) -> dict:
         from tools.measure_train_memory import activation_worker
 
         results["memory"] = activation_worker(rank, world, payload["memory"])
+    if payload.get("missing"):  # experts the checkpoint lacks, at EP 4 and TP-extended EP (#44)
+        from tests.missing_experts_cases import missing_experts_world
+
+        results["missing"] = missing_experts_world(rank, world, payload["missing"])
     return results

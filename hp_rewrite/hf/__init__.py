@@ -376,6 +376,12 @@ def core_model_loading() -> ModuleType:
     return importlib.import_module("transformers.core_model_loading")
 
 
+def initialization() -> ModuleType:
+    """``transformers.initialization``: the guarded init functions every ``_init_weights`` calls, and
+    ``TORCH_INIT_FUNCTIONS``, the torch functions they end in."""
+    return importlib.import_module("transformers.initialization")
+
+
 def model_conversion_mapping(model) -> list:
     """The renamings and converters transformers applies when it loads ``model``'s checkpoints."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -487,6 +493,14 @@ def loading_info(missing: set[str], unexpected: set[str], mismatched: set[tuple]
 
     return LoadStateDictInfo(missing_keys=set(missing), unexpected_keys=set(unexpected), mismatched_keys=set(mismatched),
                              error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+
+
+def log_loading_report(model, name_or_path, info) -> None:
+    """transformers' LOAD REPORT of ``from_pretrained`` (missing, unexpected, mismatched keys), as it logs it."""
+    from transformers.utils.loading_report import log_state_dict_report
+
+    log_state_dict_report(model=model, pretrained_model_name_or_path=str(name_or_path), ignore_mismatched_sizes=False,
+                          loading_info=info, logger=transformers_logger("modeling_utils"))
 
 
 def deepspeed_zero3() -> bool:

@@ -286,9 +286,11 @@ def index_regex(source_pattern: str) -> re.Pattern[str] | None:
     return re.compile(source_pattern.removeprefix("^").replace("*.", r"(\d+)\.").replace("*", r"(\d+)"))
 
 
-def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[str, LoadUnit], dict[str, str]]:
+def map_keys(model: nn.Module, reader: Reader, transforms: list
+             ) -> tuple[dict[str, LoadUnit], dict[str, str], dict[str, str]]:
     """Group checkpoint keys into load units (by first target name); also the unexpected keys, each with
-    its name after transformers' renamings (as ``from_pretrained`` reports it)."""
+    its name after transformers' renamings (as ``from_pretrained`` reports it), and the keys of experts
+    held as modules on other EP ranks (by the name they would fill), left unread."""
     cml = core_model_loading()
     rename_source_key, apply_renamings = cml.rename_source_key, cml.apply_renamings
     renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
@@ -299,12 +301,14 @@ def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[s
     foreign = foreign_experts(model)
     units: dict[str, LoadUnit] = {}
     unexpected: dict[str, str] = {}
+    foreign_found: dict[str, str] = {}
     for key in sorted(reader.infos, key=natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if renamed not in meta and key in meta:  # as transformers: a key that should not have been renamed
             renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
         if renamed in foreign:
-            continue  # another EP rank's expert module: never read here
+            foreign_found[renamed] = key  # another EP rank's expert module: never read here
+            continue
         if renamed not in meta:
             unexpected[key] = renamed  # transformers reports the renamed name
             continue
@@ -332,7 +336,7 @@ def map_keys(model: nn.Module, reader: Reader, transforms: list) -> tuple[dict[s
             found = regex.search(apply_renamings(key, renamings))
             index = int(found.group(1)) if found else None
         unit.sources.setdefault(pattern, []).append((index, key))
-    return units, unexpected
+    return units, unexpected, foreign_found
 
 
 def natural_key(key: str) -> tuple:

@@ -91,25 +91,32 @@ class Filler:
 
     def _fits(self, name: str, shape: tuple[int, ...], what: str, local: bool = False) -> bool:
         """Whether ``shape`` (the checkpoint's, every expert; this rank's rows when ``local``) is the
-        model's; a mismatch raises, or is recorded when ``ignore_mismatched_sizes`` asked for that."""
+        model's; a mismatch raises, or is recorded (full shapes, as the unmodified model's) when
+        ``ignore_mismatched_sizes`` asked for that: transformers then draws the tensor, at any ep_size
+        as the unmodified model does (:mod:`.initialise`)."""
         want = tuple(self.meta[name].shape) if local else self.full_shape(name)
         if tuple(shape) == want:
             return True
+        self._mismatch(name, shape, want, what)
+        if local and (sl := self.experts.get(name)) is not None:  # as the unmodified model reports it
+            shape, want = (sl.full_dim0, *tuple(shape)[1:]), self.full_shape(name)
+        self.mismatched.add((name, torch.Size(shape), torch.Size(want)))
+        return False
+
+    def fits_foreign(self, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+        """:meth:`_fits` for a tensor of an expert module another rank holds (never read here)."""
+        if tuple(shape) == tuple(want):
+            return True
+        self._mismatch(name, shape, want, "the checkpoint")
+        return False
+
+    def _mismatch(self, name: str, shape, want, what: str) -> None:
+        """Raise unless ``ignore_mismatched_sizes`` asked to re-initialise the tensor."""
         message = f"{what} gives {name} the shape {list(shape)}, the model expects {list(want)}"
         if self.ignore_mismatched_sizes is False:  # from_pretrained: transformers' remedy
             message += "; from_pretrained(..., ignore_mismatched_sizes=True) re-initialises it as transformers does"
         if not self.ignore_mismatched_sizes:
             raise CheckpointShapeError(message)
-        sl = self.experts.get(name)
-        if sl is not None and sl.count < sl.num_experts:
-            raise CheckpointShapeError(
-                f"{message}. ignore_mismatched_sizes=True re-initialises an expert tensor as transformers does only "
-                f"at ep_size 1: at ep_size > 1 each rank would draw its own experts, not the values the unmodified "
-                "model draws (and the same ones on every rank under one seed). Load it at ep_size 1 with "
-                "ignore_mismatched_sizes=True, save_pretrained, and load that directory"
-            )
-        self.mismatched.add((name, torch.Size(shape), torch.Size(want)))
-        return False
 
     def _plain(self, name: str, key: str) -> torch.Tensor | None:
         if not self._fits(name, self.reader.infos[key].shape, f"checkpoint tensor {key}"):
@@ -241,8 +248,9 @@ class Filler:
                     rows = None
                     if partial:
                         shape = self.reader.infos[key].shape
-                        if not shape or shape[0] != sl.full_dim0:
-                            self._fits(name, shape, f"checkpoint tensor {key}")  # raises: experts at ep_size > 1
+                        if (not shape or shape[0] != sl.full_dim0) and not self._fits(
+                                name, shape, f"checkpoint tensor {key}"):
+                            return {}  # recorded as mismatched: drawn by transformers, as the unmodified model
                         rows = sl.rows
                     conv.collected_tensors[pattern].append(_lazy(self.reader, key, rows))
         with torch.no_grad():

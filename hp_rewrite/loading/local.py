@@ -34,6 +34,7 @@ The file reader and the key mapping live in :mod:`hp_rewrite.loading.checkpoint_
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -59,6 +60,7 @@ from .checkpoint_files import (
     torch_dtype,
 )
 from .fill import Filler
+from .initialise import ForeignExperts, initialise_missing, needs_exact_draws
 from .quantized import DequantizingReader, checkpoint_format
 from .rank0 import rank0_first
 
@@ -110,13 +112,15 @@ def _set(
 
 
 def _check_keys(
-    model: nn.Module, units: dict[str, LoadUnit], unexpected: list[str], model_dir: Path
+    model: nn.Module, units: dict[str, LoadUnit], unexpected: list[str], model_dir: Path,
+    foreign_missing: set[str] = frozenset(), strict: bool = True,
 ) -> set[str]:
-    """Raise on missing or unexpected keys (transformers' ignore rules apply); returns the allowed missing."""
+    """Raise on missing or unexpected keys (transformers' ignore rules apply; ``foreign_missing``: those of
+    expert modules other ranks hold) when ``strict``; returns the missing ones, initialised or tied after."""
     produced = {t for u in units.values() for t in u.targets}
     expected = set(model.state_dict(keep_vars=True))
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = expected - produced
+    missing = (expected - produced) | set(foreign_missing)
     info = SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
     if hasattr(model, "_adjust_missing_and_unexpected_keys"):
         model._adjust_missing_and_unexpected_keys(info)  # _keys_to_ignore_on_load_*, legacy rotary inv_freq
@@ -127,7 +131,7 @@ def _check_keys(
         elif source in info.missing_keys and target not in info.missing_keys:
             tied_ok.add(source)  # tie_weights ties the present one to the missing one
     real_missing = sorted(info.missing_keys - tied_ok, key=natural_key)
-    if real_missing or info.unexpected_keys:
+    if strict and (real_missing or info.unexpected_keys):
         parts = []
         if real_missing:
             parts.append(
@@ -184,7 +188,7 @@ def load_expert_parallel(
     loading = prepare(model_dir, plan, ep, artifact_dir, dtype, chunk_bytes, attn_implementation, trust_remote_code)
     new_for = loading.fill()
     with quiet_transformers():
-        _finish(loading.model, new_for, loading.allowed_missing)
+        _finish(loading, new_for)
     loading.model.eval()
     return loading.model, loading.report()
 
@@ -206,6 +210,44 @@ class PreparedLoad:
     timings: dict[str, float]
     started: float
     allowed_missing: set[str] = field(default_factory=set)  # ignored or tied (checked by prepare)
+    foreign_found: dict[str, str] = field(default_factory=dict)  # other ranks' expert modules' names -> keys
+
+    @functools.cached_property
+    def foreign(self) -> tuple[dict[str, ForeignExperts], set[str], set[tuple]]:
+        """The containers of experts held as modules of which some live on other ranks (by path), with the
+        absent experts' tensors the checkpoint lacks or (``ignore_mismatched_sizes``) mismatches, which the
+        unmodified model draws; and its ``missing_keys`` and ``mismatched_keys`` entries for them."""
+        out, missing, mismatched = {}, set(), set()
+        for path, module in self.model.named_modules():
+            layout = getattr(module, "hp_layout", None)
+            if getattr(module, "hp_expert_parallel", None) is None or not layout.modules:
+                continue
+            absent = [k for k in layout.expert_keys if k not in set(layout.held)]
+            if not absent:
+                continue
+            template = dict(module._modules[layout.held[0]].named_parameters())
+            to_draw = set()
+            for key in absent:
+                for role, p in template.items():
+                    name = f"{path}.{key}.{role}"
+                    found = self.foreign_found.get(name)
+                    if found is None:
+                        missing.add(name)
+                        to_draw.add(name)
+                    elif not self.filler.fits_foreign(name, tuple(self.reader.infos[found].shape), tuple(p.shape)):
+                        mismatched.add((name, torch.Size(self.reader.infos[found].shape), p.shape))
+                        to_draw.add(name)
+            out[path] = ForeignExperts(path, tuple(layout.expert_keys), tuple(layout.held), frozenset(to_draw))
+        return out, missing, mismatched
+
+    def initialise_missing(self) -> None:
+        """transformers' ``initialize_weights``, with what the checkpoint lacks of the experts drawn as the
+        unmodified model draws it (:mod:`.initialise`)."""
+        foreign = self.foreign[0]
+        if needs_exact_draws(self.model, self.experts, foreign):
+            initialise_missing(self.model, self.experts, foreign, self.ep.size)
+        else:
+            type(self.model).initialize_weights(self.model)
 
     def ordered_units(self) -> list[LoadUnit]:
         return sorted(self.units.values(), key=lambda u: natural_key(u.targets[0]))
@@ -269,9 +311,10 @@ def checkpoint_dtype(config, reader: Reader) -> torch.dtype:
 
 def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch.dtype | None = None,
             chunk_bytes: int = CHUNK_BYTES, attn_implementation: str | None = None,
-            trust_remote_code: bool = False) -> PreparedLoad:
+            trust_remote_code: bool = False, strict: bool = True) -> PreparedLoad:
     """Build on meta, then :func:`prepare_model` with the model's conversion mapping; a checkpoint that
-    does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError`. ``dtype`` and
+    does not fit the model (missing or unexpected keys) is a :class:`CheckpointKeyError` when ``strict``
+    (else the missing tensors are drawn, as ``from_pretrained`` draws them). ``dtype`` and
     ``attn_implementation`` default to what ``from_pretrained`` gives: the checkpoint's dtype
     (:func:`checkpoint_dtype`) and transformers' attention choice."""
     t_start = time.perf_counter()
@@ -291,7 +334,8 @@ def prepare(model_dir, plan, ep: ExpertParallelGroup, artifact_dir, dtype: torch
     build_s = time.perf_counter() - t0
     loading = prepare_model(model, reader, plan, ep, artifact_dir, dtype, model_conversion_mapping(model))
     loading.timings["build_s"], loading.started = build_s, t_start
-    loading.allowed_missing = _check_keys(model, loading.units, list(loading.unexpected), model_dir)
+    loading.allowed_missing = _check_keys(model, loading.units, list(loading.unexpected), model_dir,
+                                          loading.foreign[1], strict)
     return loading
 
 
@@ -317,14 +361,16 @@ def prepare_model(model: nn.Module, reader: Reader, plan, ep: ExpertParallelGrou
     patched = install.install(model, artifact, plan, ep, shard=True)  # on meta: local shapes, no storage
     experts = expert_slices(model)
     timings["install_s"] = time.perf_counter() - t0
-    units, unexpected = map_keys(model, reader, transforms)
+    units, unexpected, foreign_found = map_keys(model, reader, transforms)
     filler = Filler(model, reader, experts, _dtype_rule(model, dtype), device, ignore_mismatched_sizes,
                     keep_quantized)
-    return PreparedLoad(model, reader, filler, units, unexpected, transforms, experts, patched, ep, timings, t_start)
+    return PreparedLoad(model, reader, filler, units, unexpected, transforms, experts, patched, ep, timings, t_start,
+                        foreign_found=foreign_found)
 
 
-def _finish(model: nn.Module, new_for: dict[int, torch.Tensor], allowed_missing: set[str]) -> None:
+def _finish(loading: PreparedLoad, new_for: dict[int, torch.Tensor]) -> None:
     """Meta tensors the checkpoint did not fill: shared ones, ties, then transformers' own init."""
+    model, allowed_missing = loading.model, loading.allowed_missing
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     to_init = allowed_missing - tied.keys()  # ignored by the model's _keys_to_ignore_on_load_missing
     for name, module, attr, is_param, persistent in list(_tensor_slots(model)):
@@ -338,7 +384,7 @@ def _finish(model: nn.Module, new_for: dict[int, torch.Tensor], allowed_missing:
     if tied:
         model.tie_weights(missing_keys=set(allowed_missing), recompute_mapping=False)
     if hasattr(model, "initialize_weights"):
-        model.initialize_weights()  # only what no checkpoint tensor filled: non-persistent buffers, ignored keys
+        loading.initialise_missing()  # only what no checkpoint tensor filled: non-persistent buffers, ignored keys
     left = [name for name, module, attr, _, _ in _tensor_slots(model) if getattr(module, attr).is_meta]
     if left:
         raise CheckpointKeyError(

@@ -23,6 +23,7 @@ transformers ``tp_plan`` / ``distributed_config``) are refused by name.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -81,8 +82,48 @@ class LocalExpertsLoad:
                                 keep_quantized=self.keep_quantized and quantizer is not None)
         loading.fill()
         self.loading = loading
-        # mismatched tensors stay on meta: transformers materialises, initialises and reports them
-        return loading_info(loading.missing, set(loading.unexpected.values()), loading.filler.mismatched), None
+        foreign, foreign_missing, foreign_mismatched = loading.foreign
+        missing, mismatched = loading.missing | foreign_missing, loading.filler.mismatched | foreign_mismatched
+        if loading.filler.keep_quantized:
+            _refuse_drawn_quantized(loading, missing | {name for name, _, _ in mismatched})
+        # missing and mismatched tensors stay on meta: transformers materialises, initialises (here as the
+        # unmodified model draws them, :mod:`.initialise`) and reports them, other ranks' expert modules too
+        absent = set().union(*(f.to_draw for f in foreign.values()))
+        model.initialize_weights = loading.initialise_missing
+        model._move_missing_keys_from_meta_to_device = functools.partial(_move_held_from_meta, model, absent)
+        model.mark_tied_weights_as_initialized = functools.partial(_mark_tied_held, model, absent)
+        return loading_info(missing, set(loading.unexpected.values()), mismatched), None
+
+
+def _move_held_from_meta(model, absent: set[str], missing_keys, *args, **kwargs) -> None:
+    """transformers' step, for the tensors this rank holds (other ranks' expert modules, ``absent``, are
+    drawn on copies, :mod:`.initialise`)."""
+    type(model)._move_missing_keys_from_meta_to_device(model, set(missing_keys) - absent, *args, **kwargs)
+
+
+def _mark_tied_held(model, absent: set[str], info) -> None:
+    """transformers' step on the tensors this rank holds; ``absent`` ones stay missing (never tied)."""
+    gone = info.missing_keys & absent
+    info.missing_keys -= gone
+    try:
+        type(model).mark_tied_weights_as_initialized(model, info)
+    finally:
+        info.missing_keys |= gone
+
+
+#: the per-call stand-ins :class:`LocalExpertsLoad` sets on the model it loads, removed when the call returns
+_DURING_LOAD = ("initialize_weights", "_move_missing_keys_from_meta_to_device", "mark_tied_weights_as_initialized")
+
+
+def _refuse_drawn_quantized(loading, drawn: set[str]) -> None:
+    """Experts kept quantised cannot be drawn: the codes come from the checkpoint."""
+    experts = sorted(n for n in drawn if n in loading.experts)
+    if experts:
+        raise QuantizedCheckpointError(
+            f"{experts[0]} is not in the checkpoint (or mismatches it; {len(experts)} expert tensor(s) in all), and "
+            "the routed experts are kept quantised, as the checkpoint's codes: there is nothing to keep. Pass "
+            "quantization_config=...(dequantize=True) to load them dequantised (the missing ones then drawn as "
+            "transformers draws them), or load a checkpoint that holds them")
 
 
 def _single_device(load_config) -> torch.device | None:
@@ -187,6 +228,8 @@ def load_rewritten(call: Callable[[], object], plan, ep: ExpertParallelGroup, ar
         result = call()
     finally:
         owner._load_pretrained_model = original
+        for name in _DURING_LOAD if hook.loading is not None else ():
+            hook.loading.model.__dict__.pop(name, None)
     model = result[0] if isinstance(result, tuple) else result
     if hook.loading is not None:
         attach(model, hook.loading)

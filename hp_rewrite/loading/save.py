@@ -261,7 +261,7 @@ def _total_parameters(model: nn.Module) -> int:
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size: int | str = "50GB",
-                    save_original_format: bool = True) -> Path | None:
+                    save_original_format: bool = True) -> None:
     """Write ``model`` (expert-parallel or not, FSDP2-sharded or not) as transformers' ``save_pretrained``
     writes the unmodified model: ``model.safetensors`` below ``max_shard_size`` (else numbered shards and
     an index), the names of the checkpoint format it was loaded from (``save_original_format``; else the
@@ -270,7 +270,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
 
     Collective: every rank must call it. One decoder layer at a time is gathered (its tensors over
     FSDP2's mesh, its experts over the EP group) to global rank 0, which holds at most that layer and
-    one shard being filled.
+    one shard being filled. Returns None, as transformers' does.
     """
     if has_tuner_layers(model):
         raise ExpertParallelError(
@@ -313,7 +313,6 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, max_shard_size
             shutil.rmtree(tmp, ignore_errors=True)
         if distributed:
             dist.barrier()
-    return out
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,8 +13,10 @@ then read into its shard:
   that one tensor are read, the shard copied out, and the rest dropped before the next tensor.
 
 So a rank's peak is its final shards plus, at most, one tensor's local experts, never the model;
-buffers the checkpoint does not hold (rotary frequencies) are initialised by the model as
-``from_pretrained`` does.
+buffers the checkpoint does not hold (rotary frequencies) and tensors it lacks are initialised by the
+model as ``from_pretrained`` does, each rank keeping its shard of the unmodified model's draw
+(:mod:`hp_rewrite.loading.initialise`: one parameter at its full size at a time), and reported in
+transformers' LOAD REPORT.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..hf import quiet_transformers
+from ..hf import loading_info, log_loading_report, quiet_transformers
 from ..loading import local
 from ..loading.patch import DEFAULT_ARTIFACT_DIR, RewriteInfo, attach, expert_parallel_group_for, resolve_plan
 from ..runtime import ExpertParallelError
@@ -102,8 +104,15 @@ def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | N
     if ep.mesh is None:
         raise ExpertParallelError("load_fully_sharded needs torch.distributed initialised (launch with torchrun)")
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
-    loading = local.prepare(model_dir, plan, ep, out, dtype, chunk_bytes, attn_implementation, trust_remote_code)
+    loading = local.prepare(model_dir, plan, ep, out, dtype, chunk_bytes, attn_implementation, trust_remote_code,
+                            strict=False)
     model = loading.model
+    absent = sorted(n for f in loading.foreign[0].values() for n in f.to_draw)
+    if absent:
+        raise ExpertParallelError(
+            f"load_fully_sharded: {absent[0]} (an expert module another rank holds) is not in the checkpoint: "
+            "load with hp_rewrite.from_pretrained (it draws what the checkpoint lacks as transformers does), "
+            "then call hp_rewrite.fully_shard")
     if getattr(model, "all_tied_weights_keys", None):
         raise ExpertParallelError(
             f"load_fully_sharded: {type(model).__name__} ties weights ({sorted(model.all_tied_weights_keys)[0]}, "
@@ -116,6 +125,7 @@ def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | N
     model.to_empty(device=device)  # only the local shards are allocated
     targets = model.state_dict(keep_vars=True)
     reader, filler = loading.reader, loading.filler
+    filler.experts = dict(loading.experts)  # narrowed to the shards below; the load keeps its experts
     whole = _read_shards_of_experts(filler, loading.experts, targets)
     with torch.no_grad():
         for unit in loading.ordered_units():
@@ -137,10 +147,13 @@ def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | N
                 targets[target]._is_hf_initialized = True  # transformers' init skips what was loaded
     missing = [n for n in targets if n not in {t for u in loading.units.values() for t in u.targets}]
     with quiet_transformers():
-        for name in missing:  # ignored on load (_keys_to_ignore_on_load_missing): initialised by the model
+        for name in missing:  # drawn by the model's own init, as from_pretrained draws them (:mod:`.initialise`)
             targets[name]._is_hf_initialized = False
         if hasattr(model, "initialize_weights"):
-            model.initialize_weights()  # non-persistent buffers (rotary inv_freq) and ignored keys
+            loading.initialise_missing()  # with non-persistent buffers (rotary inv_freq)
+    info = loading_info(loading.allowed_missing, set(loading.unexpected.values()))
+    model._adjust_missing_and_unexpected_keys(info)
+    log_loading_report(model, model_dir, info)  # transformers' report of what the checkpoint lacks or adds
     model.eval()
     model.hp_rewrite.load_report = loading.report()
     return model
