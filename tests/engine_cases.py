@@ -312,4 +312,56 @@ def generate_parity(rank: int, world: int, payload: dict) -> dict:
         a, b, c = ref.generate(prompt, **kwargs), model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs)
     shared = any(p is q for p, q in zip(twin.parameters(), model.parameters(), strict=True))
     return {"equal": torch.equal(a, b), "twin_equal": torch.equal(a, c), "twin_shares_params": shared,
-            "twin_guard_owns_twin": twin.hp_rewrite.engine._model is twin, "new_tokens": a.shape[1] - prompt.shape[1]}
+            "twin_guard_owns_twin": twin.hp_rewrite.engine._model is twin, "new_tokens": a.shape[1] - prompt.shape[1],
+            **_ended_at_different_steps(rank, ref, model), **_lockstep_refusals(model)}
+
+
+def _ended_at_different_steps(rank: int, ref, model) -> dict:
+    """Rank 0's completion ends at its first token (EOS), the others' run to max_new_tokens, as EOS makes it
+    in RL rollouts: generate in lockstep (the default, #46) gives each rank the unmodified model's tokens,
+    greedy and sampling, with and without a cache, instead of a hang."""
+    import torch.distributed as dist
+
+    vocab, steps = ref.config.vocab_size, 8
+    gen = torch.Generator().manual_seed(60 + rank)
+    prompt = torch.randint(0, vocab, (1, 5), generator=gen)
+    with torch.no_grad():
+        first = ref.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1].item()
+    eos = [first]
+    dist.broadcast_object_list(eos, src=0)  # rank 0's first greedy token: EOS for every rank
+    if rank:
+        for _ in range(50):  # a prompt whose greedy completion never meets it
+            with torch.no_grad():
+                out = ref.generate(prompt, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=eos[0])
+            if out.shape[1] == prompt.shape[1] + steps and eos[0] not in out[0, prompt.shape[1]:].tolist():
+                break
+            prompt = torch.randint(0, vocab, (1, 5), generator=gen)
+    result, lengths = {}, {}
+    for name, kwargs in {"greedy": {"do_sample": False}, "greedy_no_cache": {"do_sample": False, "use_cache": False},
+                         "sampling": {"do_sample": True, "top_k": 0}}.items():
+        kwargs = dict(kwargs, max_new_tokens=steps, pad_token_id=0, eos_token_id=eos[0])
+        outs = []
+        for m in (ref, model):
+            torch.manual_seed(7)
+            with torch.no_grad():
+                outs.append(m.generate(prompt, **kwargs))
+        result[f"eos_{name}"] = torch.equal(*outs)
+        lengths[name] = outs[0].shape[1] - prompt.shape[1]
+    result["eos_lengths"] = lengths
+    return result
+
+
+def _lockstep_refusals(model) -> dict:
+    """What would leave generate's loop early on one rank is refused by name."""
+    from hp_rewrite.runtime import ExpertParallelError
+
+    out = {}
+    for name, call in {"synced_false": lambda: model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=1,
+                                                               synced_gpus=False),
+                       "generate_batch": lambda: model.generate_batch([[1, 2, 3]])}.items():
+        try:
+            call()
+            out[name] = "not refused"
+        except ExpertParallelError as e:
+            out[name] = str(e)
+    return out

@@ -81,9 +81,17 @@ def test_expert_grad_norms_are_global(tmp_path: Path) -> None:
 
 
 def test_greedy_generate_and_deepcopy_equal_unmodified(tmp_path: Path) -> None:
-    for r in run_world(2, "tests.engine_cases:generate_parity", {"out_dir": str(tmp_path)}):
+    """Greedy generate, a deepcopy's too; and completions that end at different steps on the ranks (rank
+    0's at once, by EOS): lockstep by default, the unmodified model's tokens, no hang (#46: the timeout
+    fails a hang in 4 minutes); synced_gpus=False and continuous batching refused by name."""
+    for rank, r in enumerate(run_world(2, "tests.engine_cases:generate_parity", {"out_dir": str(tmp_path)},
+                                       timeout=240)):
         assert r["equal"] and r["new_tokens"] == 8, r
         assert r["twin_equal"] and not r["twin_shares_params"] and r["twin_guard_owns_twin"], r  # copy.deepcopy
+        assert r["eos_greedy"] and r["eos_greedy_no_cache"] and r["eos_sampling"], r
+        assert r["eos_lengths"]["greedy"] == (1 if rank == 0 else 8), r  # rank 0 stopped first: the case holds
+        assert "synced_gpus" in r["synced_false"] and "hang" in r["synced_false"], r
+        assert "generate_batch" in r["generate_batch"] and "use_transformers_paged" in r["generate_batch"], r
 
 
 def test_what_cannot_be_exact_is_refused(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from ..runtime import (
 )
 from ..runtime.aux_loss import install_router_losses
 from ..runtime.engines import EngineGuard, install_engine_guard
+from ..runtime.generation import install_lockstep_generation
 from ..runtime.replay import install_replay
 from ..runtime.routing_load import ModelRouting, freeze_routers, install_routing_loads
 from .rank0 import rank0_first
@@ -120,6 +121,7 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     if routing.freeze_router:  # before any engine or optimizer sees the router parameters
         freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
+    install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     install_replay(model, routing.replay_in_recompute)
     if routing.aux_loss == "global" or routing.z_loss_coef:
