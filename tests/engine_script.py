@@ -409,6 +409,58 @@ def _sft_both(model, ref, out: Path, **overrides):
     return trainers
 
 
+def _word_tokenizer(vocab: int):
+    """Words ``t0``..``t{vocab-1}`` split on spaces (GRPO's prompts are text), ``t2`` the EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t2")
+
+
+def case_grpo(model_dir, out):
+    """TRL's GRPOTrainer (generation by transformers, GRPOConfig's defaults: activation checkpointing,
+    sampling at temperature 1; fp32 here for an exact comparison) for one step on the expert-parallel model
+    (prepared) and on the unmodified one under DDP, the same prompts and seed: generation in lockstep
+    (#46) samples the same completions, so the losses and the weights after the step are the same."""
+    from datasets import Dataset
+    from transformers import AutoConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    gen = torch.Generator().manual_seed(21)
+    prompts = [" ".join(f"t{i}" for i in torch.randint(3, vocab, (4,), generator=gen).tolist()) for _ in range(8)]
+    data = Dataset.from_dict({"prompt": prompts})
+
+    def reward(completions, **kwargs):  # varies within a group, so the advantages (and gradients) do not vanish
+        return [float(len(c)) for c in completions]
+
+    trainers = []
+    for name, model in (("ref", _reference(model_dir)), ("ep", _ep_model(model_dir, out / "art"))):
+        args = GRPOConfig(output_dir=str(out / "grpo" / name), per_device_train_batch_size=2, num_generations=2,
+                          max_completion_length=6, max_steps=1, learning_rate=1e-3, adam_epsilon=1e-4, bf16=False,
+                          use_cpu=True,
+                          report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=_word_tokenizer(vocab))
+        if name == "ep":
+            hp_rewrite.prepare_trainer(trainer)
+        trainer.train()
+        trainers.append(trainer)
+    (ref, ep) = trainers
+    logs = [{k: v for k, v in h.items() if not k.startswith("moe/") and "runtime" not in k and "per_second" not in k
+             and k not in ("epoch", "step", "total_flos", "train_loss")} for h in ep.state.log_history]
+    ref_logs = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k
+                 and k not in ("epoch", "step", "total_flos", "train_loss")} for h in ref.state.log_history]
+    worst, worst_name = _worst(ep.model, ref.model)
+    return {"worst": worst, "worst_name": worst_name, "logs": logs, "ref_logs": ref_logs,
+            "checkpointing": ep.args.gradient_checkpointing,
+            "moe_logged": sorted(k for h in ep.state.log_history for k in h if k.startswith("moe/")),
+            "moved": max((p.detach() - q).abs().max().item() for p, q in
+                         zip(ref.model.parameters(), _reference(model_dir).parameters(), strict=True))}
+
+
 def case_sft_lora_experts(model_dir, out):
     """TRL's SFTTrainer with SFTConfig's defaults (activation checkpointing, the load-balancing loss;
     fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and

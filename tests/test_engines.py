@@ -165,7 +165,7 @@ ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate"
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
                 "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
                 "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update", "loop_global_aux",
-                "trainer_global_aux", "sft_global_aux"]
+                "trainer_global_aux", "sft_global_aux", "grpo"]
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +312,17 @@ def test_train_ep_example_runs_every_engine(engine: str, tiny_dir: Path, tmp_pat
     run = _torchrun(ROOT / "tools" / "train_ep.py", str(tiny_dir), "--plan", str(ROOT / "plans" / "auto-ep2.yaml"),
                     "--steps", "2", "--engine", engine, "--output-dir", str(tmp_path))
     assert "step 1: loss" in run.stdout, run.stdout[-2000:]
+
+
+def test_grpo_through_trl_equals_unmodified(engine_results: dict) -> None:
+    """TRL's GRPOTrainer (transformers generating, GRPOConfig's defaults: activation checkpointing,
+    sampling; fp32) for one step, prepared, at EP 2 against the unmodified model under DDP, the same
+    prompts and seed: the same logs (loss, rewards, completion lengths, entropy: the same completions
+    sampled, in lockstep) and the same weights after the step (#46)."""
+    for rank, r in enumerate(engine_results["grpo"]):
+        assert r["checkpointing"] and "moe/imbalance" in r["moe_logged"], r  # the plan's routing statistics
+        assert r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst_name"], r["worst"], r["moved"])
+        drop = {"step_time"}
+        mine = [{k: v for k, v in h.items() if k not in drop} for h in r["logs"]]
+        theirs = [{k: v for k, v in h.items() if k not in drop} for h in r["ref_logs"]]
+        assert mine == theirs and "completions/mean_length" in mine[0], (rank, mine, theirs)
