@@ -36,6 +36,7 @@ _LAZY = {
     "Routes": "hp_rewrite.runtime.replay",
     "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
+    "checkpoint_weights": "hp_rewrite.loading.weights",
     "interleave": "hp_rewrite.runtime.turns",
     "Interleaver": "hp_rewrite.runtime.turns",
     "UserError": "hp_rewrite.errors",  # every mistake the user can fix (also of transformers' type where it raises)

@@ -461,6 +461,72 @@ def case_grpo(model_dir, out):
                          zip(ref.model.parameters(), _reference(model_dir).parameters(), strict=True))}
 
 
+def case_grpo_vllm(model_dir, out):
+    """TRL's vLLM paths on a prepared GRPOTrainer, through TRL's real ``VLLMGeneration`` with a recording
+    stand-in for vLLM's engine (tests/vllm_standin.py): colocated, every rank's engine gets exactly
+    ``checkpoint_weights`` (the names vLLM's Qwen3-MoE loader reads, full tensors, what plain
+    transformers saves), also with LoRA (the merged weights under the base names); server mode, the
+    main process pushes the same and its metadata; unprepared, TRL sends each rank's slice of the experts
+    under the full tensors' names (what this fixes)."""
+    import torch.distributed as dist
+    from datasets import Dataset
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.vllm_standin import vllm_name_problems, vllm_standin
+
+    rank = dist.get_rank()
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    data = Dataset.from_dict({"prompt": ["t3 t4 t5", "t6 t7 t8"] * 4})
+    plain_dir = out / "grpo_vllm" / "plain"
+    if rank == 0:
+        _reference(model_dir).save_pretrained(plain_dir)
+    dist.barrier()
+    want = load_file(plain_dir / "model.safetensors")
+
+    def synced(mode: str, prepare: bool = True, peft=None):
+        args = GRPOConfig(output_dir=str(out / "grpo_vllm" / mode), per_device_train_batch_size=2, num_generations=2,
+                          max_completion_length=4, max_steps=1, use_vllm=True, vllm_mode=mode, bf16=False,
+                          use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+        with vllm_standin():
+            trainer = GRPOTrainer(model=_ep_model(model_dir, out / "art"), reward_funcs=lambda completions, **k:
+                                  [0.0] * len(completions), args=args, train_dataset=data,
+                                  processing_class=_word_tokenizer(vocab), peft_config=peft)
+            if prepare:
+                hp_rewrite.prepare_trainer(trainer)
+            trainer.vllm_generation.sync_weights()  # what each step does before generating
+        generation = trainer.vllm_generation
+        sent = generation.llm.loaded if mode == "colocate" else getattr(generation, "vllm_client", None)
+        return trainer, sent
+
+    def problems(sent, expected, where):
+        from tests.weights_cases import compare
+
+        return compare(sent, expected, where) + vllm_name_problems("qwen3_moe", sent, 8)
+
+    r = {}
+    _, sent = synced("colocate")
+    r["colocate"] = problems(sent, want, "colocate")
+    trainer, client = synced("server")
+    if rank == 0:
+        r["server"] = problems(client.received, want, "server")
+        r["server_metadata"] = client.metadata == [(n, str(t.dtype).removeprefix("torch."), list(t.shape))
+                                                   for n, t in client.received]
+    else:
+        r["server"], r["server_metadata"] = ([] if client is None else ["a client off the main process"]), True
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj"])
+    trainer, sent = synced("colocate", peft=lora)
+    streamed = list(hp_rewrite.checkpoint_weights(trainer.model))
+    r["lora"] = problems(sent, dict(streamed), "lora") + (
+        [] if not any(torch.equal(t, want[n]) for n, t in streamed if "q_proj" in n) else ["adapter not merged"])
+    _, sent = synced("colocate", prepare=False)
+    r["unprepared_slices"] = sorted({n for n, t in sent if n.endswith("mlp.experts.gate_up_proj") and t.shape[0] == 4})
+    return r
+
+
 def case_sft_lora_experts(model_dir, out):
     """TRL's SFTTrainer with SFTConfig's defaults (activation checkpointing, the load-balancing loss;
     fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and

@@ -102,6 +102,12 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
             out["saved_equals_dense"] = all(torch.equal(q, full[n]) for n, q in mine.items()
                                             if "experts" not in n)
         dist.barrier()
+        # streamed as RL hands weights to an inference engine (#46): what save_pretrained wrote
+        from safetensors.torch import load_file
+
+        from tests.weights_cases import stream_problems
+
+        out["stream_problems"] = stream_problems(model, load_file(saved / "model.safetensors"), "fsdp2", rank, world)
     params = dict(model.named_parameters())
     experts = params[next(iter(expert_weights(model)))]  # the first layer's first expert weight
     dense = next(p for n, p in params.items() if n not in expert_weights(model) and p.dim() == 2)
@@ -352,4 +358,9 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
     out["loaded_sharded"] = len(trainable) == out["trainable"] and all(hasattr(p, "device_mesh")
                                                                        for p in trainable.values())
     out["dcp_refused"] = _error(lambda: hp_rewrite.save_checkpoint(peft_ep, opt, out_dir / "dcp"))
+    # the merged weights streamed (#46): plain PEFT's merge_and_unload of the same adapters, as saved
+    from tests.weights_cases import plain_files, stream_problems
+
+    want = plain_files(peft_ref.merge_and_unload(), out_dir / "merged")
+    out["stream_problems"] = stream_problems(peft_ep, want, "fsdp2 peft", rank, world)
     return out

@@ -165,7 +165,7 @@ ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate"
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
                 "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
                 "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update", "loop_global_aux",
-                "trainer_global_aux", "sft_global_aux", "grpo"]
+                "trainer_global_aux", "sft_global_aux", "grpo", "grpo_vllm"]
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +326,13 @@ def test_grpo_through_trl_equals_unmodified(engine_results: dict) -> None:
         mine = [{k: v for k, v in h.items() if k not in drop} for h in r["logs"]]
         theirs = [{k: v for k, v in h.items() if k not in drop} for h in r["ref_logs"]]
         assert mine == theirs and "completions/mean_length" in mine[0], (rank, mine, theirs)
+
+
+def test_trl_vllm_weight_sync_sends_checkpoint_weights(engine_results: dict) -> None:
+    """A prepared GRPOTrainer's vLLM weight sync (TRL's own VLLMGeneration, a recording engine): colocated
+    and server mode send what plain transformers saves, under the names vLLM's Qwen3-MoE loader reads;
+    with LoRA the merged weights; unprepared, TRL would send each rank's slice under the full name (#46)."""
+    for rank, r in enumerate(engine_results["grpo_vllm"]):
+        assert not r["colocate"] and not r["server"] and not r["lora"], (rank, r)
+        assert r["server_metadata"], r
+        assert r["unprepared_slices"], r  # what prepare_trainer fixes

@@ -29,9 +29,9 @@ CASES = {  # id: (world, payload)
     # flat [E*I, H] expert weights (DBRX) and zero-computation experts kept on every rank (LongCat-Flash),
     # experts sharded over 2 replicas
     "ep2xefsdp2-dbrx-adamw-clip": (4, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0,
-                                       "model_type": "dbrx"}),
+                                       "model_type": "dbrx", "save": True}),
     "ep2xefsdp2-longcat_flash-adamw-clip": (4, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3,
-                                                "max_norm": 1.0, "model_type": "longcat_flash"}),
+                                                "max_norm": 1.0, "model_type": "longcat_flash", "save": True}),
     # activation checkpointing composes
     "ep2-checkpointing": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0,
                               "checkpointing": True}),
@@ -49,6 +49,8 @@ def test_fully_shard_steps_equal_unmodified(case: str, tmp_path: Path) -> None:
         assert r["mesh_is_users"], r
         if payload.get("save") and rank == 0:
             assert r["saved_worst"] <= TOL and r["saved_equals_dense"], r
+        if payload.get("save"):  # checkpoint_weights streams what save_pretrained wrote (#46)
+            assert not r["stream_problems"], (rank, r["stream_problems"])
         if payload.get("num_experts"):
             assert r["expert_placement"] == "S(1)", r
         elif world > 2 and "mesh" not in payload and "model_type" not in payload:
@@ -77,6 +79,7 @@ def test_fully_shard_trains_saves_and_loads_peft_adapters_on_the_experts(case: s
         assert r["file_keys"] and r["file_worst"] <= TOL, r  # peft save_pretrained: plain PEFT's file
         assert r["loaded_worst"] == 0.0 and r["loaded_sharded"], r  # load_adapter of plain PEFT's file, exactly
         assert "PEFT adapters" in r["dcp_refused"] and "save_pretrained" in r["dcp_refused"], r
+        assert not r["stream_problems"], (rank, r["stream_problems"])  # merged weights streamed (#46)
 
 
 def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> None:

@@ -123,6 +123,7 @@ CHANGES = [
     "runtime: {grad_bucket_mb: 100}",
     "runtime: {dequant_chunk_mb: 8}",
     "runtime: {fp8_gemm: true}",
+    "runtime: {weight_sync_bucket_mb: 64}",
     "routing: {stats: false}",
     "routing: {bias_update_rate: 0.001}",
     "routing: {freeze_router: true}",

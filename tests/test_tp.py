@@ -14,6 +14,7 @@ import pytest
 from hp_rewrite.launch import run_world
 from tests.missing_experts_cases import write_checkpoints
 from tests.tp_cases import TOL
+from tests.weights_cases import weights_payload
 
 BF16_TOL = 3e-2
 LAYOUTS = [(2, 2), (4, 2), (4, 4)]  # (ep_size, tp_size) on 4 ranks: tp2 x dp2 with EP 2 and 4, tp4 with EP 4
@@ -42,6 +43,9 @@ REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv
 # experts the checkpoint lacks (#44): every family at EP 4, and TP-extended EP (tp 2 x EP 2 and 4)
 MISSING_PLANS = [{"ep": 4}, {"ep": 2, "tp": 2, "only": ["qwen3_moe-layer", "deepseek_v3-projection"]},
                  {"ep": 4, "tp": 2, "only": ["qwen3_moe-layer"]}]
+# checkpoint_weights (#46): every family and LoRA merged at EP 4, TP-extended EP (tp 2 x EP 2 and 4)
+WEIGHTS_PLANS = [{"ep": 4, "peft": True}, {"ep": 2, "tp": 2, "only": ["qwen3_moe", "deepseek_v3"]},
+                 {"ep": 4, "tp": 2, "only": ["qwen3_moe"]}]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,9 @@ def world(tmp_path_factory) -> list[dict]:
     memory = {"ep": 2, "tp": 2, "hidden": 128, "layers": 2, "experts": 8, "moe_intermediate": 64, "vocab": 256,
               "seq": 256, "batch": 2, "artifacts": str(out / "memory")}
     missing = {**write_checkpoints(out / "missing"), "out_dir": str(out / "missing"), "plans": MISSING_PLANS}
-    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(out), "memory": memory, "missing": missing}
+    weights = weights_payload(out / "missing", out / "weights", WEIGHTS_PLANS)
+    payload = {"cases": CASES + EXTRA, "refusals": REFUSALS, "out_dir": str(out), "memory": memory, "missing": missing,
+               "weights": weights}
     return run_world(4, "tests.tp_cases:tp_world", payload, timeout=900)
 
 
@@ -122,3 +128,14 @@ def test_missing_experts_at_ep4_and_with_tp_drawn_as_transformers_draws_them(wor
         r = results["missing"]
         assert not r["problems"], f"rank {rank}: {r['problems']}"
         assert r["drawn"] >= 40, r  # random expert tensors compared on this rank
+
+
+def test_checkpoint_weights_streams_what_save_pretrained_writes(world) -> None:
+    """``checkpoint_weights`` at EP 4 (every family: per-expert, fused, module and remote-code experts;
+    LoRA on attention and experts merged) and with TP-extended EP: name for name and bit for bit what
+    plain transformers' save_pretrained writes, to every rank and to one, expert rows in buckets
+    (tests/weights_cases.py)."""
+    for rank, results in enumerate(world):
+        r = results["weights"]
+        assert not r["problems"], f"rank {rank}: {r['problems']}"
+        assert len(r["checked"]) == 6 + 1 + 2 + 1, r

@@ -20,6 +20,7 @@ from hp_rewrite.tiny import build_tiny_model
 
 from .missing_experts_cases import write_checkpoints
 from .save_cases import assert_same_files
+from .weights_cases import weights_payload
 
 EP1 = Plan.model_validate({"version": 1, "ep_size": 1})
 FAMILIES = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "mixtral": "Mixtral"}
@@ -162,10 +163,14 @@ def test_every_head_class_at_ep2_loads_and_saves_as_transformers(checkpoints, tm
                   if head != "ForQuestionAnswering" for changes in _mismatching_changes("qwen3_moe", classifier).values()]
     # experts the checkpoint lacks or mismatches (#44), every family: tests/missing_experts_cases.py
     missing = {**write_checkpoints(tmp_path / "missing"), "out_dir": str(tmp_path / "missing"), "plans": [{"ep": 2}]}
-    payload = {"loads": loads, "out_dir": str(tmp_path), "mismatched": mismatched, "missing": missing}
+    # checkpoint_weights at EP 2, every family, LoRA merged (#46): tests/weights_cases.py
+    weights = weights_payload(tmp_path / "missing", tmp_path / "weights", [{"ep": 2, "peft": True}])
+    payload = {"loads": loads, "out_dir": str(tmp_path), "mismatched": mismatched, "missing": missing,
+               "weights": weights}
     for r in run_world(2, "tests.training_cases:contract_heads_world", payload):
         assert not r["problems"] and len(r["checked"]) == len(loads) + len(mismatched), r
         assert not r["missing"]["problems"] and r["missing"]["drawn"] >= 40, r["missing"]
+        assert not r["weights"]["problems"] and len(r["weights"]["checked"]) == 7, r["weights"]
     # the question-answering head keeps its body under another prefix ("transformer."), which the causal
     # LM's checkpoint ("model.") does not fill, as in plain transformers: its experts are drawn as plain
     # transformers draws them (#44), so what it saves is what plain transformers saves too

@@ -145,4 +145,8 @@ def tp_world(rank: int, world: int, payload: dict) -> dict:
         from tests.missing_experts_cases import missing_experts_world
 
         results["missing"] = missing_experts_world(rank, world, payload["missing"])
+    if payload.get("weights"):  # checkpoint_weights at EP 4 and TP-extended EP (#46)
+        from tests.weights_cases import checkpoint_weights_world
+
+        results["weights"] = checkpoint_weights_world(rank, world, payload["weights"])
     return results

@@ -320,6 +320,10 @@ def contract_heads_world(rank: int, world: int, payload: dict) -> dict:
         from tests.missing_experts_cases import missing_experts_world
 
         out["missing"] = missing_experts_world(rank, world, payload["missing"])
+    if payload.get("weights"):  # checkpoint_weights at EP 2 (#46)
+        from tests.weights_cases import checkpoint_weights_world
+
+        out["weights"] = checkpoint_weights_world(rank, world, payload["weights"])
     return out
 
 

@@ -123,6 +123,7 @@ class RuntimeSection(_Section):
     grad_bucket_mb: float = Field(25.0, gt=0, allow_inf_nan=False)
     dequant_chunk_mb: float = Field(64.0, gt=0, allow_inf_nan=False)
     fp8_gemm: bool = False
+    weight_sync_bucket_mb: float = Field(512.0, gt=0, allow_inf_nan=False)
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
