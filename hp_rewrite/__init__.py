@@ -9,7 +9,8 @@ accelerate, torch.compile and PEFT a rewritten model is exact as it is (docs/tra
 ``fully_shard`` / ``load_fully_sharded`` shard it with FSDP2, ``clip_grad_norm_`` clips it,
 ``save_checkpoint`` / ``load_checkpoint`` resume it. ``routing_stats`` / ``track_routing`` report and
 step the routing in a loop, ``record_routing`` / ``replay_routing`` (``Routes``) replay recorded experts
-(docs/training.md, Routing). The routed runtime that generated code calls lives in
+(docs/training.md, Routing), ``rollout_routes`` those an inference engine chose (``Rollout``,
+``sglang_routed_experts``, ``vllm_returns_routes``); ``checkpoint_weights`` streams the weights to one. The routed runtime that generated code calls lives in
 :mod:`hp_rewrite.runtime`.
 """
 
@@ -34,6 +35,10 @@ _LAZY = {
     "record_routing": "hp_rewrite.runtime.replay",
     "replay_routing": "hp_rewrite.runtime.replay",
     "Routes": "hp_rewrite.runtime.replay",
+    "Rollout": "hp_rewrite.training.rollout",
+    "rollout_routes": "hp_rewrite.training.rollout",
+    "sglang_routed_experts": "hp_rewrite.training.rollout",
+    "vllm_returns_routes": "hp_rewrite.training.rl",
     "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
     "checkpoint_weights": "hp_rewrite.loading.weights",

@@ -419,11 +419,23 @@ def _word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t2")
 
 
-def case_grpo(model_dir, out):
-    """TRL's GRPOTrainer (generation by transformers, GRPOConfig's defaults: activation checkpointing,
-    sampling at temperature 1; fp32 here for an exact comparison) for one step on the expert-parallel model
-    (prepared) and on the unmodified one under DDP, the same prompts and seed: generation in lockstep
-    (#46) samples the same completions, so the losses and the weights after the step are the same."""
+def _refusal(trainer) -> str:
+    """What ``prepare_trainer`` refuses ``trainer`` with ("" when it accepts it)."""
+    from hp_rewrite.runtime import ExpertParallelError
+
+    try:
+        hp_rewrite.prepare_trainer(trainer)
+    except ExpertParallelError as e:
+        return str(e)
+    return ""
+
+
+def _grpo_trainer(model_dir, out_dir: Path, model, trainer_class=None, prepare: bool = True, **overrides):
+    """TRL's GRPOTrainer as the GRPO cases run it (generation by transformers, GRPOConfig's defaults:
+    activation checkpointing, sampling at temperature 1; fp32 here for exact comparisons): 8 prompts of
+    4 words, 2 generations each, a reward that varies within a group (so the advantages do not vanish);
+    prepared unless ``prepare`` is False. ``trainer_class`` (GRPOTrainer -> a subclass) and ``overrides``
+    (GRPOConfig's) as the case needs."""
     from datasets import Dataset
     from transformers import AutoConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -431,34 +443,106 @@ def case_grpo(model_dir, out):
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     gen = torch.Generator().manual_seed(21)
     prompts = [" ".join(f"t{i}" for i in torch.randint(3, vocab, (4,), generator=gen).tolist()) for _ in range(8)]
-    data = Dataset.from_dict({"prompt": prompts})
 
-    def reward(completions, **kwargs):  # varies within a group, so the advantages (and gradients) do not vanish
+    def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    trainers = []
-    for name, model in (("ref", _reference(model_dir)), ("ep", _ep_model(model_dir, out / "art"))):
-        args = GRPOConfig(output_dir=str(out / "grpo" / name), per_device_train_batch_size=2, num_generations=2,
-                          max_completion_length=6, max_steps=1, learning_rate=1e-3, adam_epsilon=1e-4, bf16=False,
-                          use_cpu=True,
-                          report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                              processing_class=_word_tokenizer(vocab))
-        if name == "ep":
-            hp_rewrite.prepare_trainer(trainer)
+    args = dict(output_dir=str(out_dir), per_device_train_batch_size=2, num_generations=2, max_completion_length=6,
+                max_steps=1, learning_rate=1e-3, adam_epsilon=1e-4, bf16=False, use_cpu=True, report_to=[],
+                logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = (trainer_class or (lambda c: c))(GRPOTrainer)(
+        model=model, reward_funcs=reward, args=GRPOConfig(**args | overrides),
+        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=_word_tokenizer(vocab))
+    return hp_rewrite.prepare_trainer(trainer) if prepare else trainer
+
+
+def _grpo_logs(trainer) -> list[dict]:
+    """A GRPO run's logs without timings, steps and ``moe/`` keys (what the unmodified model's also log)."""
+    return [{k: v for k, v in h.items() if not k.startswith("moe/") and "runtime" not in k and "per_second" not in k
+             and k not in ("epoch", "step", "total_flos", "train_loss", "step_time")} for h in trainer.state.log_history]
+
+
+def _grpo_both(model_dir, out: Path, models: dict, trainer_class=None, **overrides):
+    """One GRPOTrainer step (:func:`_grpo_trainer`) for the unmodified model (``"ref"``) and the
+    expert-parallel one (``"ep"``, prepared), the same prompts and seed; both trainers and their logs."""
+    trainers = {}
+    for name in ("ref", "ep"):
+        trainer = _grpo_trainer(model_dir, out / name, models[name], trainer_class, prepare=name == "ep", **overrides)
         trainer.train()
-        trainers.append(trainer)
-    (ref, ep) = trainers
-    logs = [{k: v for k, v in h.items() if not k.startswith("moe/") and "runtime" not in k and "per_second" not in k
-             and k not in ("epoch", "step", "total_flos", "train_loss")} for h in ep.state.log_history]
-    ref_logs = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k
-                 and k not in ("epoch", "step", "total_flos", "train_loss")} for h in ref.state.log_history]
+        trainers[name] = trainer
+    return trainers, {name: _grpo_logs(t) for name, t in trainers.items()}
+
+
+def case_grpo(model_dir, out):
+    """TRL's GRPOTrainer for one step on the expert-parallel model (prepared) and on the unmodified one
+    under DDP (:func:`_grpo_both`): generation in lockstep (#46) samples the same completions, so the logs
+    and the weights after the step are the same."""
+    trainers, logs = _grpo_both(model_dir, out / "grpo", {"ref": _reference(model_dir),
+                                                           "ep": _ep_model(model_dir, out / "art")})
+    ref, ep = trainers["ref"], trainers["ep"]
     worst, worst_name = _worst(ep.model, ref.model)
-    return {"worst": worst, "worst_name": worst_name, "logs": logs, "ref_logs": ref_logs,
+    return {"worst": worst, "worst_name": worst_name, "logs": logs["ep"], "ref_logs": logs["ref"],
             "checkpointing": ep.args.gradient_checkpointing,
             "moe_logged": sorted(k for h in ep.state.log_history for k in h if k.startswith("moe/")),
             "moved": max((p.detach() - q).abs().max().item() for p, q in
                          zip(ref.model.parameters(), _reference(model_dir).parameters(), strict=True))}
+
+
+def case_grpo_lora(model_dir, out):
+    """GRPO with LoRA on attention and on the experts (PEFT's target_parameters), each rank's expert
+    adapters its own draw, against the unmodified model with the same adapters under DDP: one step gives
+    the same logs and the same adapters after it (the base untouched)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    before = _lora_state(ref)
+    trainers, logs = _grpo_both(model_dir, out / "grpo_lora", {"ref": ref, "ep": model})
+    after = _lora_state(ref)
+    return {"worst": _lora_worst(model, ref), "logs": logs["ep"], "ref_logs": logs["ref"],
+            "checkpointing": trainers["ep"].args.gradient_checkpointing,
+            "moved": max((after[k] - before[k]).abs().max().item() for k in before)}
+
+
+def case_grpo_resume(model_dir, out):
+    """GRPO for three steps with a checkpoint after each, then a second trainer resuming from
+    checkpoint-1 (Trainer's RNG states restored: the same completions sampled) ends where the first did:
+    the same weights and the same logs of steps 2 and 3; unmodified transformers loads checkpoint-3 as the
+    model, bit for bit. Also with LoRA on attention and experts (the adapters and their optimizer state)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    common = dict(max_steps=3, save_strategy="steps", save_steps=1)
+    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    result = {}
+    for name in ("full", "lora"):
+        folder = out / "grpo_resume" / name
+        runs = []
+        for resume in (None, str(folder / "checkpoint-1")):
+            model = _ep_model(model_dir, out / "art")
+            if name == "lora":
+                torch.manual_seed(3)
+                model = get_peft_model(model, LoraConfig(**lora))
+                _own_expert_adapters(model)
+            trainer = _grpo_trainer(model_dir, folder, model, **common)
+            trainer.train(resume_from_checkpoint=resume)
+            runs.append((model, _grpo_logs(trainer)))
+        (first, first_logs), (resumed, resumed_logs) = runs
+        got, want = (dict(m.state_dict()) for m in (resumed, first))  # gathered: every expert (collective)
+        result[f"{name}_worst"] = max((got[k] - want[k]).abs().max().item() for k in want)
+        result[f"{name}_logs"], result[f"{name}_first_logs"] = resumed_logs, first_logs
+        result[f"{name}_files"] = sorted(os.listdir(folder / "checkpoint-1"))
+        if name == "full" and dist.get_rank() == 0:
+            plain = AutoModelForCausalLM.from_pretrained(folder / "checkpoint-3", attn_implementation="eager")
+            result["reload_checkpoint-3"] = _worst(first, plain)[0]
+        dist.barrier()
+    return result
 
 
 def case_grpo_vllm(model_dir, out):
@@ -524,6 +608,84 @@ def case_grpo_vllm(model_dir, out):
         [] if not any(torch.equal(t, want[n]) for n, t in streamed if "q_proj" in n) else ["adapter not merged"])
     _, sent = synced("colocate", prepare=False)
     r["unprepared_slices"] = sorted({n for n, t in sent if n.endswith("mlp.experts.gate_up_proj") and t.shape[0] == 4})
+    return r
+
+
+def case_grpo_replay(model_dir, out):
+    """Rollout routing replay through TRL's GRPOTrainer at EP 2, vLLM colocated (the stand-in generating with
+    a plain transformers model whose routers are perturbed after each sync, as an inference engine's kernels
+    make it route differently), built inside ``vllm_returns_routes()`` and prepared with the plan's
+    ``routing.replay_rollout``, two steps with GRPOConfig's defaults (activation checkpointing, the
+    importance-sampling correction's old log-probabilities): every forward of the policy on the samples
+    sends each token the engine forwarded to the experts the engine chose, through TRL's own shuffling and
+    chunking; the disagreement is logged. Refusals: server mode, an engine built without routes, no vLLM."""
+    from datasets import Dataset
+    from transformers import AutoConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hp_rewrite.training.rollout import moe_layer_indices
+    from tests.vllm_standin import RecordingLLM, vllm_standin
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    plan = out / "replay-plan.yaml"
+    plan.write_text("version: 1\nep_size: 2\narchetype: auto\nrouting:\n  replay_rollout: true\n")
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in torch.randint(3, vocab, (int(n),), generator=gen).tolist())
+                                         for n in torch.randint(2, 6, (8,), generator=gen)]})
+
+    def trainer_for(name: str, **overrides):
+        model = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=out / "art-replay",
+                                           attn_implementation="eager")
+        args = dict(output_dir=str(out / "grpo_replay" / name), per_device_train_batch_size=2, num_generations=2,
+                    max_completion_length=5, max_steps=2, learning_rate=1e-2, use_vllm=True, vllm_mode="colocate",
+                    bf16=False, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True)
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+                           args=GRPOConfig(**args | overrides), train_dataset=data,
+                           processing_class=_word_tokenizer(vocab))
+
+    def replayed_run(name: str, **overrides) -> dict:
+        """Train under record_routing; compare every forward's experts with what the engine returned."""
+        with hp_rewrite.vllm_returns_routes():
+            trainer = trainer_for(name, **overrides)
+        hp_rewrite.prepare_trainer(trainer)
+        model = hp_rewrite.training.rewritten_model(trainer.model)
+        seen = []
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append((kw["input_ids"].clone(),
+                                                                      kw["attention_mask"].clone())), with_kwargs=True)
+        with hp_rewrite.record_routing(model) as used:
+            trainer.train()
+        engine = {tuple(p + c): routes for p, c, routes in trainer.vllm_generation.llm.returned}
+        compared = mismatched = missing = 0
+        for layer, column in moe_layer_indices(model).items():
+            assert len(used.layers[layer]) == len(seen), (len(used.layers[layer]), len(seen))
+            for (ids, mask), chosen in zip(seen, used.layers[layer], strict=True):
+                chosen = chosen.reshape(*ids.shape, -1).long()
+                for row in range(ids.shape[0]):
+                    real = mask[row].nonzero().flatten()
+                    routes = engine.get(tuple(ids[row, real].tolist()))
+                    if routes is None:
+                        missing += 1
+                        continue
+                    want, got = routes[:, column].long(), chosen[row, real[:-1]]
+                    compared += want.numel()
+                    mismatched += int((got.sort(-1).values != want.sort(-1).values).sum())
+        return dict(compared=compared, mismatched=mismatched, missing=missing, forwards=len(seen),
+                    disagreement=[h["moe/replay_disagreement"] for h in trainer.state.log_history
+                                  if "moe/replay_disagreement" in h],
+                    checkpointing=trainer.args.gradient_checkpointing, steps=trainer.state.global_step)
+
+    r = {}
+    RecordingLLM.router_noise = 0.3
+    try:
+        with vllm_standin():
+            r["unflagged"] = _refusal(trainer_for("unflagged"))
+            r["server"] = _refusal(trainer_for("server", vllm_mode="server"))
+            r.update(replayed_run("replay"))
+            # one vLLM over both ranks: TRL gathers the prompts, every rank gets every output, keeps its own
+            r["tp2"] = replayed_run("replay_tp2", vllm_tensor_parallel_size=2, max_steps=1)
+    finally:
+        RecordingLLM.router_noise = 0.0
+    r["no_vllm"] = _refusal(trainer_for("no_vllm", use_vllm=False))
     return r
 
 
@@ -913,24 +1075,16 @@ def case_trainer_refusals(model_dir, out):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hp_rewrite.runtime import ExpertParallelError
-
-    def refusal(trainer) -> str:
-        try:
-            hp_rewrite.prepare_trainer(trainer)
-        except ExpertParallelError as e:
-            return str(e)
-        return ""
 
     args = dict(output_dir=str(out / "refusals"), use_cpu=True, ddp_backend="gloo", report_to=[])
-    result = {"plain": refusal(Trainer(model=_reference(model_dir), args=TrainingArguments(**args)))}
+    result = {"plain": _refusal(Trainer(model=_reference(model_dir), args=TrainingArguments(**args)))}
     attention = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(r=2, target_modules=["q_proj"]))
     trainer = Trainer(model=attention, args=TrainingArguments(**args))
-    result["peft_attention"] = refusal(trainer)
+    result["peft_attention"] = _refusal(trainer)
     result["peft_attention_untouched"] = getattr(trainer, "hp_rewrite_callback", None) is None
     deepspeed = Trainer(model=_ep_model(model_dir, out / "art"), args=TrainingArguments(**args))
     deepspeed.is_deepspeed_enabled = True  # what Trainer sets for a DeepSpeed config (deepspeed is not installed)
-    result["deepspeed"] = refusal(deepspeed)
+    result["deepspeed"] = _refusal(deepspeed)
     del AutoModelForCausalLM
     return result
 

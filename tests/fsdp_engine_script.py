@@ -568,6 +568,25 @@ def case_accelerate_presharded(model_dir, out):
     return _accelerate_sgd(model_dir, out, presharded=True)
 
 
+def case_grpo(model_dir, out):
+    """TRL's GRPOTrainer with fsdp_config version 2 (transformers generating, in lockstep: FSDP modules
+    turn synced_gpus on; GRPOConfig's defaults, fp32), one step on the expert-parallel model (prepared)
+    against the unmodified model under the same FSDP2 policy, the same prompts and seed: the same logs
+    (the same completions) and the same weights after the step."""
+    from tests.engine_script import _grpo_both
+
+    trainers, logs = _grpo_both(model_dir, out / "grpo", {"ref": _reference(model_dir), "ep": _ep_model(model_dir, out)},
+                                trainer_class=_forced_trainer_class, fsdp=True, fsdp_config=_fsdp_config())
+    ep, ref = trainers["ep"], trainers["ref"]
+    worst, worst_name = _worst(ep.model, ref.model)
+    start = _reference(model_dir)
+    moved = max((_full(p.detach()) - q).abs().max().item() for p, q in zip(ref.model.parameters(), start.parameters(),
+                                                                           strict=True))
+    return {"is_fsdp": ep.is_fsdp_enabled, **_sharding(ep.model), "worst": worst, "worst_name": worst_name,
+            "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": ep.args.gradient_checkpointing,
+            "moved": moved}
+
+
 def case_refusals(model_dir, out):
     """What cannot be exact ends in a clear error: accelerate's FSDP2 without prepare_accelerator (at the
     first forward, before any step; the plugin's default wrap policy shards only the root, whose FSDP2

@@ -165,7 +165,7 @@ ENGINE_CASES = ["trainer_sgd", "trainer_sgd_clip", "trainer_adamw", "accelerate"
                 "trainer_unprepared", "trainer_refusals", "trainer_lora_experts", "trainer_lora_attention_experts",
                 "accelerate_lora_experts", "sft_lora_experts", "trainer_experts_only", "sft_gpt_oss_mxfp4_kept",
                 "trainer_lora_fp8_kept", "trainer_bias_update", "accelerate_bias_update", "loop_global_aux",
-                "trainer_global_aux", "sft_global_aux", "grpo", "grpo_vllm"]
+                "trainer_global_aux", "sft_global_aux", "grpo", "grpo_lora", "grpo_resume", "grpo_vllm", "grpo_replay"]
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +326,45 @@ def test_grpo_through_trl_equals_unmodified(engine_results: dict) -> None:
         mine = [{k: v for k, v in h.items() if k not in drop} for h in r["logs"]]
         theirs = [{k: v for k, v in h.items() if k not in drop} for h in r["ref_logs"]]
         assert mine == theirs and "completions/mean_length" in mine[0], (rank, mine, theirs)
+
+
+def test_grpo_with_lora_equals_unmodified(engine_results: dict) -> None:
+    """GRPO with LoRA on attention and experts (each rank's expert adapters its own), one step prepared at
+    EP 2 against the unmodified model with the same adapters under DDP: the same logs and adapters (#46)."""
+    for rank, r in enumerate(engine_results["grpo_lora"]):
+        assert r["checkpointing"] and r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst"], r["moved"])
+        assert r["logs"] == r["ref_logs"] and "completions/mean_length" in r["logs"][0], (rank, r["logs"], r["ref_logs"])
+
+
+def test_grpo_checkpoints_resume_where_the_run_was(engine_results: dict) -> None:
+    """GRPO at EP 2, three steps with a checkpoint after each; a second trainer resumed from checkpoint-1
+    ends bit for bit where the first did with the same logs (completions sampled alike: Trainer's RNG
+    states), full fine-tuning and LoRA on attention and experts; each rank's expert optimizer state is
+    in the checkpoint, and unmodified transformers loads checkpoint-3 as the model (#46)."""
+    for rank, r in enumerate(engine_results["grpo_resume"]):
+        for name, weights in (("full", "model.safetensors"), ("lora", "adapter_model.safetensors")):
+            assert r[f"{name}_worst"] == 0.0, (rank, name, r[f"{name}_worst"])
+            assert r[f"{name}_logs"] == r[f"{name}_first_logs"] and len(r[f"{name}_logs"]) >= 3, (rank, name, r)
+            assert {weights, "hp_rewrite_expert_optimizer-rank0-of-2.pt", "hp_rewrite_expert_optimizer-rank1-of-2.pt",
+                    "rng_state_0.pth", "rng_state_1.pth"} <= set(r[f"{name}_files"]), r[f"{name}_files"]
+        if rank == 0:
+            assert r["reload_checkpoint-3"] == 0.0, r["reload_checkpoint-3"]
+
+
+def test_grpo_replays_the_rollout_routes(engine_results: dict) -> None:
+    """Rollout routing replay (R3) through TRL's GRPOTrainer at EP 2 with vLLM colocated (a stand-in whose
+    routers route differently from the policy's): two steps with GRPOConfig's defaults, and every token
+    the engine forwarded goes, in every forward of the policy on it (old log-probabilities, training),
+    to the experts the engine chose; the routers' disagreement with the engine is logged each step (#46)."""
+    for rank, r in enumerate(engine_results["grpo_replay"]):
+        assert r["steps"] == 2 and r["checkpointing"] and r["forwards"] >= 4, (rank, r)
+        assert r["compared"] > 100 and r["mismatched"] == 0 and r["missing"] == 0, (rank, r)
+        assert len(r["disagreement"]) == 2 and all(0 < d < 1 for d in r["disagreement"]), (rank, r)
+        tp2 = r["tp2"]  # vllm_tensor_parallel_size=2: each rank picks its completions out of the group's outputs
+        assert tp2["steps"] == 1 and tp2["compared"] > 50 and tp2["mismatched"] == tp2["missing"] == 0, (rank, tp2)
+        assert "enable_return_routed_experts" in r["unflagged"] and "vllm_returns_routes" in r["unflagged"], r
+        assert "vllm-serve neither records nor returns" in r["server"], r
+        assert "does not generate with vLLM" in r["no_vllm"], r
 
 
 def test_trl_vllm_weight_sync_sends_checkpoint_weights(engine_results: dict) -> None:

@@ -19,7 +19,7 @@ from tests.training_cases import TOL, assert_routing_logged
 ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
              "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora",
-             "accelerate_lora_presharded", "refusals"]
+             "accelerate_lora_presharded", "grpo", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
               "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
@@ -204,6 +204,21 @@ def test_sft_trainer_fsdp2_lora_with_its_defaults_within_bf16_tolerance(two) -> 
         assert r["worst"] <= LORA_BF16_TOL, (r["worst_name"], r["worst"])
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-3), r
     assert two["sft_lora_bf16"][0]["reload_final"] == 0.0, two["sft_lora_bf16"][0]
+
+
+def test_grpo_trainer_fsdp2_equals_unmodified(two) -> None:
+    """TRL's GRPOTrainer with fsdp_config version 2, prepared, one step at EP 2 (GRPOConfig's defaults,
+    transformers generating in lockstep; fp32) against the unmodified model under the same FSDP2 policy:
+    the same completions and logs (the grad norm to rounding: FSDP2 sums it shard by shard) and the same
+    weights after the step (#46)."""
+    for rank, r in enumerate(two["grpo"]):
+        _sharded_as_fully_shard(r, 2)
+        assert r["checkpointing"] and r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst_name"], r["worst"])
+        mine, theirs = ([{k: v for k, v in h.items() if k != "grad_norm"} for h in logs]
+                        for logs in (r["logs"], r["ref_logs"]))
+        assert mine == theirs and "completions/mean_length" in mine[0], (rank, mine, theirs)
+        norms, ref_norms = ([h["grad_norm"] for h in logs if "grad_norm" in h] for logs in (r["logs"], r["ref_logs"]))
+        assert norms and norms == pytest.approx(ref_norms, rel=1e-5), (norms, ref_norms)
 
 
 def test_accelerate_keeps_a_model_sharded_by_fully_shard(two) -> None:

@@ -130,6 +130,7 @@ CHANGES = [
     "routing: {replay_in_recompute: false}",
     "routing: {aux_loss: global}",
     "routing: {z_loss_coef: 0.001}",
+    "routing: {replay_rollout: true}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
 ]

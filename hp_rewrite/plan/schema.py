@@ -156,6 +156,9 @@ class RoutingSection(_Section):
     ``aux_loss``: the load-balancing loss on each rank's micro-batch (``micro_batch``, transformers') or on
     the global batch of every data-parallel rank (``global``).
     ``z_loss_coef``: adds this times the router z-loss (ST-MoE) to the loss, on the batch ``aux_loss`` says.
+    ``replay_rollout``: a prepared GRPOTrainer (TRL, vLLM colocated, built inside
+    ``hp_rewrite.vllm_returns_routes()``) replays in its training forwards the experts vLLM chose while
+    rolling out (R3); off, as TRL: the training forwards route afresh.
     """
 
     stats: bool = True
@@ -164,6 +167,7 @@ class RoutingSection(_Section):
     replay_in_recompute: bool = True
     aux_loss: AuxLossKind = "micro_batch"
     z_loss_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    replay_rollout: bool = False
 
 
 class PlacementSection(_Section):

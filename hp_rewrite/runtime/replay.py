@@ -6,8 +6,10 @@ Two uses (plan ``routing.replay_in_recompute``, :func:`record_routing` / :func:`
   differently and choose other experts than the forward did, so the gradients belong to another
   model. A training forward inside a checkpointed region keeps its choice (``[T, K]`` indices, int16
   where the ids fit) and the recomputation replays it;
-* reinforcement learning records the experts chosen while rolling out and replays them in the
-  training forward, as Megatron-Core's router replay does.
+* reinforcement learning records the experts chosen while rolling out (here, or by the inference
+  engine: :mod:`hp_rewrite.training.rollout`) and replays them in the training forward, as
+  Megatron-Core's router replay does. A replayed row of ``-1`` (a padding position, a token the
+  engine never forwarded) is routed by the router itself.
 
 Replaying forces the top-k over the experts: while the block runs, the one ``torch.topk`` whose input
 has one score per expert and whose ``k`` is the routing's returns the recorded experts, with the
@@ -57,9 +59,9 @@ class ForcedTopK(TorchFunctionMode):
     autograd saves the same tensors for both (``torch.utils.checkpoint`` compares them)."""
 
     def __init__(self, indices: torch.Tensor | None, widths: tuple[int, ...], top_k: int | None,
-                 keep: bool = False) -> None:
+                 keep: bool = False, tally: LayerRoutes | None = None) -> None:
         super().__init__()
-        self.indices, self.widths, self.keep = indices, widths, keep
+        self.indices, self.widths, self.keep, self.tally = indices, widths, keep, tally
         self.top_k = indices.shape[-1] if indices is not None else top_k
         self.chosen: torch.Tensor | None = None
 
@@ -84,6 +86,11 @@ class ForcedTopK(TorchFunctionMode):
                         forced = func(*args, **kwargs)[1]
                 else:
                     forced = self.indices.to(scores.device, torch.int64).reshape(*scores.shape[:-1], k)
+                    if self.tally is not None:  # a replay: the router's own choice fills the rows left -1
+                        with torch.no_grad():
+                            own = func(*args, **kwargs)[1]
+                        self.tally.count(forced, own)
+                        forced = torch.where(forced < 0, own, forced)
                 self.chosen = forced
                 return torch.return_types.topk((scores.gather(-1, forced), forced))
         return func(*args, **kwargs)
@@ -102,6 +109,19 @@ class LayerRoutes:
         self.replaying: deque[torch.Tensor] | None = None
         self.name = ""
         self.mode: ForcedTopK | None = None
+        self.replayed: torch.Tensor | None = None  # replayed tokens, and those the router would have sent elsewhere
+        self.disagreed: torch.Tensor | None = None
+
+    def count(self, recorded: torch.Tensor, own: torch.Tensor) -> None:
+        """Tally a replay on the device (no host sync): the recorded rows, and those whose experts differ
+        from what the router chooses now (R3's router disagreement)."""
+        kept = recorded[..., 0] >= 0
+        differ = (recorded.sort(-1).values != own.sort(-1).values).any(-1) & kept
+        replayed, disagreed = kept.sum(), differ.sum()
+        if self.replayed is None:
+            self.replayed, self.disagreed = replayed, disagreed
+        else:
+            self.replayed, self.disagreed = self.replayed + replayed, self.disagreed + disagreed
 
     def _stored(self, indices: torch.Tensor) -> torch.Tensor:
         small = torch.int16 if max(self.widths, default=0) <= torch.iinfo(torch.int16).max else torch.int32
@@ -148,7 +168,8 @@ class LayerRoutes:
             return
         indices, force, keep = self._forced(block.training)
         if force:
-            self.mode = ForcedTopK(indices, self.widths, self.top_k, keep)
+            replay = self.replaying is not None and not inside_backward()
+            self.mode = ForcedTopK(indices, self.widths, self.top_k, keep, tally=self if replay else None)
             self.mode.__enter__()
 
     def after(self, block: nn.Module, args, output) -> None:
@@ -202,9 +223,24 @@ def install_replay(model: nn.Module, in_recompute: bool) -> None:
         target.register_forward_hook(routes.after, always_call=True)  # the mode leaves however it ends
 
 
+def replay_disagreement(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(replayed, disagreed)`` token-layer counts of the replays since the last call (device tensors,
+    summed over the layers; None when nothing was replayed): how often the routers, left alone, would
+    have chosen other experts than the replayed ones."""
+    layers = [layer for layer in _layers(model).values() if layer.replayed is not None]
+    if not layers:
+        return None
+    replayed = torch.stack([layer.replayed for layer in layers]).sum()
+    disagreed = torch.stack([layer.disagreed for layer in layers]).sum()
+    for layer in layers:
+        layer.replayed = layer.disagreed = None
+    return replayed, disagreed
+
+
 class Routes:
     """Recorded routing: per MoE layer (its experts holder's path), the ``[T, K]`` experts of each forward,
-    in order. :meth:`save` / :meth:`load` write and read them as one safetensors file."""
+    in order (a row of ``-1``: the router chooses). :meth:`save` / :meth:`load` write and read them as one
+    safetensors file."""
 
     def __init__(self, layers: dict[str, list[torch.Tensor]] | None = None) -> None:
         self.layers = layers if layers is not None else {}

@@ -40,7 +40,7 @@ from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
-from .rl import install_weight_sync
+from .rl import install_rollout_replay, install_weight_sync
 from .routing import prepare_trainer_routing
 from .trainer_fsdp import prepare_fsdp2_trainer, save_beside_model
 
@@ -152,6 +152,7 @@ def prepare_trainer(trainer):
         raise deepspeed_refusal("prepare_trainer")
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     install_weight_sync(trainer)  # TRL's vLLM paths send the checkpoint's names and full tensors
+    install_rollout_replay(trainer)  # routing.replay_rollout: the training forwards replay vLLM's routes
     if getattr(trainer, "is_fsdp_enabled", False):
         return prepare_fsdp2_trainer(trainer, _save_model, peft)
     if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
