@@ -587,6 +587,34 @@ def case_grpo(model_dir, out):
             "moved": moved}
 
 
+def case_grpo_lora(model_dir, out):
+    """GRPOTrainer with fsdp_config version 2 and LoRA on attention and the experts (each rank's expert
+    adapters its own draw), one step (fp32) against the unmodified PEFT model with the same adapters under
+    the same FSDP2 policy: the same logs and the same adapters after the step."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.engine_script import _grpo_both, _lora_state, _own_expert_adapters
+
+    config = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    model = get_peft_model(_ep_model(model_dir, out), LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    before = _lora_state(ref)
+    trainers, logs = _grpo_both(model_dir, out / "grpo_lora", {"ref": ref, "ep": model},
+                                trainer_class=_forced_trainer_class, fsdp=True, fsdp_config=_fsdp_config())
+    got = _lora_state(model)  # the expert adapters gathered; the reference's FSDP2 shards gathered below
+    want = {k: _full(v).detach() for k, v in trainers["ref"].model.state_dict().items() if "lora_" in k}
+    want = {k.removeprefix("module."): v for k, v in want.items()}
+    assert sorted(got) == sorted(want), (sorted(got)[:3], sorted(want)[:3])
+    return {"is_fsdp": trainers["ep"].is_fsdp_enabled, **_sharding(trainers["ep"].model),
+            "worst": max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item() for k in want),
+            "worst_name": "lora", "moved": max((want[k] - before[k]).abs().max().item() for k in before),
+            "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": trainers["ep"].args.gradient_checkpointing}
+
+
 def case_refusals(model_dir, out):
     """What cannot be exact ends in a clear error: accelerate's FSDP2 without prepare_accelerator (at the
     first forward, before any step; the plugin's default wrap policy shards only the root, whose FSDP2

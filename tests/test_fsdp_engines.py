@@ -19,7 +19,7 @@ from tests.training_cases import TOL, assert_routing_logged
 ROOT = Path(__file__).resolve().parent.parent
 TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_sgd", "trainer_full",
              "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora",
-             "accelerate_lora_presharded", "grpo", "refusals"]
+             "accelerate_lora_presharded", "grpo", "grpo_lora", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
               "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
@@ -219,6 +219,16 @@ def test_grpo_trainer_fsdp2_equals_unmodified(two) -> None:
         assert mine == theirs and "completions/mean_length" in mine[0], (rank, mine, theirs)
         norms, ref_norms = ([h["grad_norm"] for h in logs if "grad_norm" in h] for logs in (r["logs"], r["ref_logs"]))
         assert norms and norms == pytest.approx(ref_norms, rel=1e-5), (norms, ref_norms)
+
+
+def test_grpo_trainer_fsdp2_with_lora_equals_unmodified(two) -> None:
+    """GRPOTrainer with fsdp_config version 2 and LoRA on attention and the experts (each rank's expert
+    adapters its own), one step at EP 2 against the unmodified PEFT model under the same FSDP2 policy:
+    the same logs and adapters (fp32; the adapters relative to their largest entry) (#46)."""
+    for rank, r in enumerate(two["grpo_lora"]):
+        _sharded_as_fully_shard(r, 2)
+        assert r["checkpointing"] and r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst"], r["moved"])
+        assert r["logs"] == r["ref_logs"] and "completions/mean_length" in r["logs"][0], (rank, r["logs"], r["ref_logs"])
 
 
 def test_accelerate_keeps_a_model_sharded_by_fully_shard(two) -> None:
