@@ -212,6 +212,19 @@ def _plain_peft_reads(model, model_dir, folders: dict, load_ref=None) -> dict:
     return found
 
 
+def _lora_pair(model, ref, config: dict):
+    """``model`` (expert-parallel) and ``ref`` (unmodified) with the same LoRA adapters of ``config``: each
+    rank's expert adapters its own draw (:func:`_own_expert_adapters`), the reference given all of them."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    model = get_peft_model(model, LoraConfig(**config))
+    _own_expert_adapters(model)
+    ref = get_peft_model(ref, LoraConfig(**config))
+    ref.load_state_dict(_lora_state(model), strict=False)
+    return model, ref
+
+
 def _own_expert_adapters(model) -> None:
     """Draw each rank's expert adapters from a generator of its own: every expert's differ, so an
     expert gathered into the wrong place shows (the expert replicas of an EP rank alike)."""
@@ -492,15 +505,10 @@ def case_grpo_lora(model_dir, out):
     """GRPO with LoRA on attention and on the experts (PEFT's target_parameters), each rank's expert
     adapters its own draw, against the unmodified model with the same adapters under DDP: one step gives
     the same logs and the same adapters after it (the base untouched)."""
-    from peft import LoraConfig, get_peft_model
 
     config = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    torch.manual_seed(3)
-    model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))
-    _own_expert_adapters(model)
-    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
-    ref.load_state_dict(_lora_state(model), strict=False)
+    model, ref = _lora_pair(_ep_model(model_dir, out / "art"), _reference(model_dir), config)
     before = _lora_state(ref)
     trainers, logs = _grpo_both(model_dir, out / "grpo_lora", {"ref": ref, "ep": model})
     after = _lora_state(ref)
@@ -694,15 +702,10 @@ def case_sft_lora_experts(model_dir, out):
     fp32 here for an exact comparison) and LoRA on the experts only, on the expert-parallel model and
     on the unmodified model with the same adapters in the same world (the load-balancing loss is per
     rank's micro-batch in both); save_model writes the adapter plain PEFT reads."""
-    from peft import LoraConfig, get_peft_model
 
 
     config = dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    torch.manual_seed(3)
-    model = get_peft_model(_ep_model(model_dir, out / "art"), LoraConfig(**config))  # PEFT's init: B = 0
-    _own_expert_adapters(model)
-    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
-    ref.load_state_dict(_lora_state(model), strict=False)
+    model, ref = _lora_pair(_ep_model(model_dir, out / "art"), _reference(model_dir), config)
     ep, reference = _sft_both(model, ref, out / "sft", max_grad_norm=0.5, learning_rate=1e-3)
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "checkpointing": ep.args.gradient_checkpointing,
               "aux_loss": ep.aux_loss_enabled, "routing": routing_logged(ep, None, 2), "losses": [h["loss"] for h in ep.state.log_history if "loss" in h],

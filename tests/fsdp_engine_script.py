@@ -494,27 +494,28 @@ def case_sft_bf16(model_dir, out):
     return _sft_case(model_dir, out, bf16=True, max_steps=2, gradient_accumulation_steps=1)
 
 
+def _lora_worst(model, ref, part: str = "") -> tuple[float, str]:
+    """Worst relative difference of the LoRA tensors (``part`` in their names), the reference's FSDP2 shards
+    gathered, the expert-parallel model's expert adapters gathered."""
+    from tests.engine_script import _lora_state
+
+    got = _lora_state(model)
+    want = {k.removeprefix("module."): _full(v).detach() for k, v in ref.state_dict().items() if "lora_" in k}
+    assert sorted(got) == sorted(want), (sorted(got)[:3], sorted(want)[:3])
+    return max((((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item(), k) for k in want
+               if part in k)
+
+
 def case_sft_lora_bf16(model_dir, out):
     """SFTTrainer with SFTConfig's defaults (bf16, activation checkpointing, the load-balancing loss) and
     fsdp_config version 2, LoRA on attention and the experts (PEFT's init), against SFTTrainer on the
     unmodified PEFT model under the same FSDP2 policy; save_model writes the adapter plain PEFT reads."""
-    from peft import LoraConfig, get_peft_model
-
-    from tests.engine_script import _lora_state, _own_expert_adapters, _plain_peft_reads
-
-    def _lora_worst(model, ref, part: str = "") -> tuple[float, str]:  # the reference's: FSDP2 shards, gathered
-        got, want = _lora_state(model), {k: _full(v) for k, v in ref.state_dict().items() if "lora_" in k}
-        return max((((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item(), k) for k in want
-                   if part in k)
+    from tests.engine_script import _lora_pair, _plain_peft_reads
 
     world = dist.get_world_size()
     config = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    torch.manual_seed(3)
-    model = get_peft_model(_ep_model(model_dir, out), LoraConfig(**config))
-    _own_expert_adapters(model)
-    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
-    ref.load_state_dict(_lora_state(model), strict=False)
+    model, ref = _lora_pair(_ep_model(model_dir, out), _reference(model_dir), config)
     samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2)
     options = dict(max_steps=2, gradient_accumulation_steps=1)
     trainer, args = _sft(model, samples, out / "ep", True, **options)
@@ -591,27 +592,20 @@ def case_grpo_lora(model_dir, out):
     """GRPOTrainer with fsdp_config version 2 and LoRA on attention and the experts (each rank's expert
     adapters its own draw), one step (fp32) against the unmodified PEFT model with the same adapters under
     the same FSDP2 policy: the same logs and the same adapters after the step."""
-    from peft import LoraConfig, get_peft_model
 
-    from tests.engine_script import _grpo_both, _lora_state, _own_expert_adapters
+    from tests.engine_script import _grpo_both, _lora_pair, _lora_state
 
     config = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    torch.manual_seed(3)
-    model = get_peft_model(_ep_model(model_dir, out), LoraConfig(**config))
-    _own_expert_adapters(model)
-    ref = get_peft_model(_reference(model_dir), LoraConfig(**config))
-    ref.load_state_dict(_lora_state(model), strict=False)
+    model, ref = _lora_pair(_ep_model(model_dir, out), _reference(model_dir), config)
     before = _lora_state(ref)
     trainers, logs = _grpo_both(model_dir, out / "grpo_lora", {"ref": ref, "ep": model},
                                 trainer_class=_forced_trainer_class, fsdp=True, fsdp_config=_fsdp_config())
-    got = _lora_state(model)  # the expert adapters gathered; the reference's FSDP2 shards gathered below
-    want = {k: _full(v).detach() for k, v in trainers["ref"].model.state_dict().items() if "lora_" in k}
-    want = {k.removeprefix("module."): v for k, v in want.items()}
-    assert sorted(got) == sorted(want), (sorted(got)[:3], sorted(want)[:3])
+    after = {k.removeprefix("module."): _full(v).detach() for k, v in trainers["ref"].model.state_dict().items()
+             if "lora_" in k}
+    worst, worst_name = _lora_worst(model, trainers["ref"].model)
     return {"is_fsdp": trainers["ep"].is_fsdp_enabled, **_sharding(trainers["ep"].model),
-            "worst": max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item() for k in want),
-            "worst_name": "lora", "moved": max((want[k] - before[k]).abs().max().item() for k in before),
+            "worst": worst, "worst_name": worst_name, "moved": max((after[k] - before[k]).abs().max().item() for k in before),
             "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": trainers["ep"].args.gradient_checkpointing}
 
 

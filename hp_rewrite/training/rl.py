@@ -23,7 +23,7 @@ from ..loading.weights import checkpoint_weights
 from ..runtime import ExpertParallelError
 from ..runtime.replay import Routes, replay_disagreement, replay_routing
 from . import rewritten_model
-from .rollout import Rollout, place_rollouts, rollout_routes, routes_of_placed
+from .rollout import Rollout, place_rollouts, routes_of_placed
 
 
 def install_weight_sync(trainer) -> None:
@@ -76,7 +76,8 @@ class _Rollouts:
         self.model = model
         self.routed: dict[tuple, list] = {}  # (prompt ids, completion ids) -> routes, from the engine's outputs
         self.rows: list[Rollout] = []  # this generation's rollouts, in the batch's row order
-        self.placed: torch.Tensor | None = None  # the training step's [B, S, layers, K] (TRL's inputs carry it)
+        self.generated: torch.Tensor | None = None  # their [B, S, layers, K] placement, built once per generation
+        self.placed: torch.Tensor | None = None  # the training step's slice of it (TRL's inputs carry it)
 
     def take_outputs(self, outputs) -> None:
         for out in outputs:
@@ -99,10 +100,17 @@ class _Rollouts:
             self.rows.append(Rollout(list(prompt), list(completion), found.pop()))
         self.routed.clear()
 
+    def placement(self, input_ids, prompt_width: int) -> torch.Tensor:
+        """This generation's rollouts placed in its batch (checked and uploaded once, then reused)."""
+        if self.generated is None or self.generated.shape[:2] != input_ids.shape:
+            self.generated = place_rollouts(self.model, self.rows, input_ids, prompt_width).to(input_ids.device)
+        return self.generated
+
     def routes(self, input_ids, logits_to_keep: int, batch_size) -> Routes:
-        if self.placed is not None and self.placed.shape[:2] == input_ids.shape:
-            return routes_of_placed(self.model, self.placed, batch_size, input_ids.device)
-        return rollout_routes(self.model, self.rows, input_ids, input_ids.shape[1] - logits_to_keep, batch_size)
+        placed = self.placed
+        if placed is None or placed.shape[:2] != input_ids.shape:  # a forward inside the generation's scoring
+            placed = self.placement(input_ids, input_ids.shape[1] - logits_to_keep)
+        return routes_of_placed(self.model, placed, batch_size, input_ids.device)
 
 
 def _refuse_replay(trainer, generation) -> None:
@@ -153,11 +161,11 @@ def install_rollout_replay(trainer) -> None:
         return (prompt_ids, completion_ids, *rest)
 
     def score_with_routes(*args, **kwargs):
-        rollouts.rows = []
+        rollouts.rows, rollouts.generated = [], None
         output = score(*args, **kwargs)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        output["hp_routed_experts"] = place_rollouts(model, rollouts.rows, ids, output["prompt_ids"].shape[1]).to(ids.device)
-        rollouts.rows = []
+        output["hp_routed_experts"] = rollouts.placement(ids, output["prompt_ids"].shape[1])
+        rollouts.rows, rollouts.generated = [], None
         return output
 
     def loss_with_routes(model_, inputs, *args, **kwargs):
