@@ -1,7 +1,8 @@
 """Router parity: our pure-function routers against the real transformers router modules.
 
 Every router is built tiny from its config (no downloads), its weights are randomised (transformers
-initialises them to zeros or leaves them empty), and our output must be bit-identical to the module's.
+initialises them to zeros or leaves them empty), and our output must be the module's: the chosen experts
+exactly, the logits and weights to rounding (two programs, the same steps each with its own calls).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from hp_rewrite.runtime import (
 HIDDEN = 32
 TOKENS = 48
 DTYPES = [torch.float32, torch.bfloat16]
+# logits and weights of two programs, relative to the largest entry: fp32 the suite's TOL (a few roundings
+# apart); bf16 one rounding of the cast (a bf16 step is at most 2**-7 of the value)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
 def _randomise(router: nn.Module, seed: int) -> nn.Module:
@@ -121,26 +125,32 @@ CASES = {
 }
 
 
-def _assert_identical(ours: RouterOutput, theirs: tuple) -> None:
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _assert_agrees(ours: RouterOutput, theirs: tuple, exact: bool = False) -> None:
+    """Dtypes, shapes and the chosen experts exactly; the logits and weights within TOL, or bit for bit when
+    ``exact`` (the module's own outputs passed on: the same program)."""
     logits, weights, indices = theirs[:3]
     assert ours.logits.dtype == logits.dtype and ours.logits.shape == logits.shape
     assert ours.weights.dtype == weights.dtype and ours.weights.shape == weights.shape
     assert ours.indices.dtype == indices.dtype and ours.indices.shape == indices.shape
-    assert torch.equal(ours.logits, logits)
     assert torch.equal(ours.indices, indices)
-    assert torch.equal(ours.weights, weights)
+    for got, want in ((ours.logits, logits), (ours.weights, weights)):
+        assert torch.equal(got, want) if exact else _rel(got, want) <= TOL[want.dtype], (exact, _rel(got, want))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_router_forward_bit_identical(case: str, dtype: torch.dtype) -> None:
+def test_router_forward_matches_the_module(case: str, dtype: torch.dtype) -> None:
     build, ours_fn, weights_kind = CASES[case]
     router = build().to(dtype)
     h = _hidden(dtype)
     with torch.no_grad():
         theirs = router(h)
         ours = ours_fn(router, h)
-    _assert_identical(ours, theirs)
+    _assert_agrees(ours, theirs)
     expected_weights_dtype = torch.float32 if weights_kind == "fp32" else dtype
     assert ours.weights.dtype == expected_weights_dtype
     assert ours.indices.dtype == torch.int64
@@ -156,7 +166,7 @@ def test_router_forward_3d_input(case: str) -> None:
     with torch.no_grad():
         theirs = router(h.reshape(-1, HIDDEN))
         ours = ours_fn(router, h.reshape(-1, HIDDEN) if "deepseek" not in case else h)
-    _assert_identical(ours, theirs)
+    _assert_agrees(ours, theirs)
 
 
 def test_deepseek_selection_is_group_limited_and_bias_matters() -> None:
@@ -199,7 +209,8 @@ def test_router_weight_grads_match(case: str) -> None:
     (ours.weights * upstream).sum().backward()
     assert theirs_router.weight.grad is not None and ours_router.weight.grad is not None
     assert ours_router.weight.grad.abs().sum() > 0
-    assert torch.allclose(ours_router.weight.grad, theirs_router.weight.grad, rtol=1e-6, atol=0)
+    want = theirs_router.weight.grad  # two programs: entries near zero to rounding of the largest, not of their own
+    assert torch.allclose(ours_router.weight.grad, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
 def test_sigmoid_group_rejects_groups_not_dividing_experts() -> None:
@@ -262,7 +273,7 @@ def test_sigmoid_group_zero_fill_matches_reference(renormalize: bool) -> None:
         masked_fill=0.0,
     )
     logits, masked_choice, scores = _reference_zero_fill_choice(h, weight, bias, num_groups, topk_groups)
-    assert torch.equal(ours.logits, logits)
+    assert _rel(ours.logits, logits) <= TOL[torch.float32]  # ours against a hand fp32 linear: two programs
     assert ours.weights.dtype == torch.float32 and ours.indices.dtype == torch.int64
     for t in range(h.shape[0]):
         chosen = ours.indices[t]
@@ -306,7 +317,7 @@ def test_call_router_module_gpt_oss(dtype: torch.dtype) -> None:
         theirs = router(h)
         ours = call_router_module(router, h)
     assert isinstance(ours, RouterOutput)
-    _assert_identical(ours, theirs)
+    _assert_agrees(ours, theirs, exact=True)  # the module's own call: its outputs as they are
 
 
 def test_call_router_module_keeps_hooks() -> None:
