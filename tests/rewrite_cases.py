@@ -125,3 +125,27 @@ def run_world_cases(rank: int, world: int, payload: dict) -> dict:
     for c in payload.get("host_traffic", []):
         results[f"host-{c['name']}"] = host_traffic(c["model_type"], payload["out_dir"], world, **c.get("runtime", {}))
     return results
+
+
+def load_beside_another_world(rank: int, world: int, payload: dict) -> dict:
+    """One of two worlds started at once that load one checkpoint into one artifact directory (two
+    torchrun jobs, or every node's rank 0 on a shared home directory): all ranks of both worlds meet at
+    a file gate first, so both rank 0s find, write or replace the artifact at the same moment."""
+    import time
+
+    import hp_rewrite
+
+    torch.set_num_threads(1)
+    gate = Path(payload["gate"])
+    (gate / f"{payload['world_id']}-{rank}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(gate.iterdir())) < payload["ranks"]:  # every rank of both worlds is here
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other world never reached the gate {gate}")
+        time.sleep(0.01)
+    model = hp_rewrite.from_pretrained(payload["model_dir"], plan=parse_plan("version: 1\nep_size: 2\n"),
+                                       artifact_dir=Path(payload["artifact_dir"]))
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return {"logits": logits.flatten()[:64].tolist()}

@@ -255,3 +255,38 @@ def test_lora_on_flat_expert_weights_is_refused_and_on_zero_expert_weights_match
             plain = build_tiny_model(tiny_config(model_type), seed=0)(input_ids=ids).logits
         assert not torch.allclose(want, plain)  # the adapter changes the output
         assert ((got - want).abs().max() / want.abs().max()).item() <= TOL
+
+
+def _two_worlds_at_once(tmp_path: Path, model_dir: Path, artifact_dir: Path, round_name: str) -> list[list[dict]]:
+    """Two 2-rank worlds started together, loading ``model_dir`` into the one ``artifact_dir``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = tmp_path / f"gate-{round_name}"
+    gate.mkdir()
+    payload = {"model_dir": str(model_dir), "artifact_dir": str(artifact_dir), "gate": str(gate), "ranks": 4}
+    with ThreadPoolExecutor(2) as pool:
+        worlds = [pool.submit(run_world, 2, "tests.rewrite_cases:load_beside_another_world",
+                              {**payload, "world_id": w}, timeout=300) for w in range(2)]
+        return [w.result() for w in worlds]
+
+
+def test_two_worlds_load_one_model_into_one_artifact_directory_at_once(tmp_path: Path) -> None:
+    """Two jobs at once on one machine (two torchrun jobs, CI beside a developer, every node's rank 0 on a
+    shared home directory) load one checkpoint into one artifact cache: both rank 0s write the same artifact
+    at the same moment, then both replace it once it went stale (its generated file edited); every rank of
+    both loads, and the cache ends with the one artifact and nothing else."""
+    from hp_rewrite.tiny import make_tiny
+
+    model_dir = make_tiny("qwen3_moe", tmp_path / "m")
+    cache = tmp_path / "cache"
+    for round_name in ("empty", "stale"):
+        worlds = _two_worlds_at_once(tmp_path, model_dir, cache, round_name)
+        for world in worlds:  # one program twice on the same inputs: the same logits
+            for rank, r in enumerate(world):
+                torch.testing.assert_close(r["logits"], worlds[0][rank]["logits"], rtol=0, atol=0)
+        artifacts = sorted(p.name for p in cache.iterdir())
+        assert len(artifacts) == 1 and artifacts[0].startswith("qwen3_moe-"), artifacts
+        module = cache / artifacts[0] / MODULE_FILE
+        assert "edited by hand" not in module.read_text()
+        if round_name == "empty":
+            module.write_text(module.read_text() + "\n# edited by hand: no longer what the manifest recorded\n")

@@ -192,9 +192,28 @@ def _is_current(directory: Path, manifest: dict) -> bool:
     return saved == manifest and saved_file_hash == sha256(text) and (directory / DIFF_FILE).exists()
 
 
+def _set_aside(directory: Path, manifest: dict) -> None:
+    """Remove a stale artifact directory without pulling it from under another process: rename it aside
+    whole, then delete it; one that turns out current (another writer replaced it since we looked) is put
+    back. A directory only ever appears or disappears whole."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.stale.", dir=directory.parent))
+    try:
+        os.replace(directory, aside / "old")
+        if _is_current(aside / "old", manifest):
+            os.replace(aside / "old", directory)
+    except OSError:  # another writer set it aside, or put a current one back, first
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def write_artifact(functions: list[GeneratedFunction], plan_hash: str, config, model_type: str,
                    out_dir: Path) -> Artifact:
-    """Generate (or reuse, when current) the artifact directory under ``out_dir``."""
+    """Generate (or reuse, when current) the artifact directory under ``out_dir``.
+
+    Safe for several writers at once (two jobs on one machine, every node's rank 0 on a shared home
+    directory): they write the same bytes, each in a temporary directory renamed into place, and a stale
+    directory is set aside whole (:func:`_set_aside`), so no process reads a directory half-written or
+    half-deleted."""
     manifest = build_manifest(functions, plan_hash, config, model_type)
     key = sha256(json.dumps(manifest, sort_keys=True))[:16]
     directory = Path(out_dir) / f"{model_type}-{key}"
@@ -207,20 +226,15 @@ def write_artifact(functions: list[GeneratedFunction], plan_hash: str, config, m
         (tmp / MODULE_FILE).write_text(text)
         (tmp / DIFF_FILE).write_text(_diff(functions))
         (tmp / MANIFEST_FILE).write_text(json.dumps({**manifest, "module_sha256": sha256(text)}, indent=2, sort_keys=True))
-        if directory.exists():
-            if _is_current(directory, manifest):  # another process (rank) just wrote the same thing
-                shutil.rmtree(tmp)
-                return Artifact(directory, manifest)
-            shutil.rmtree(directory)  # stale: replace it whole
+        if directory.exists() and not _is_current(directory, manifest):  # stale, and not just rewritten
+            _set_aside(directory, manifest)
         try:
             os.replace(tmp, directory)
-        except OSError:  # lost a race with another writer of the same (deterministic) artifact
+        except OSError:  # another writer put the same (deterministic) artifact there first
             if not _is_current(directory, manifest):
                 raise
-            shutil.rmtree(tmp)
-    except BaseException:
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Artifact(directory, manifest)
 
 
