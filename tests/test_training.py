@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as hf_logging
 
 import hp_rewrite
 from hp_rewrite.launch import run_world
@@ -76,8 +78,11 @@ def test_auto_patch_context_manager_single_process(tiny_dir: Path, tmp_path: Pat
     original = PreTrainedModel.__dict__["from_pretrained"]
     plain = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
     plan = hp_rewrite.loading.patch.resolve_plan(Path(__file__).parent.parent / "plans" / "auto-ep2.yaml")
-    with hp_rewrite.auto_patch(plan, artifact_dir=tmp_path):  # no world: EP=1, same generated code
+    # no launcher, asked for one process in so many words: EP=1, the same generated code, and a warning
+    with CaptureLogger(hf_logging.get_logger("transformers.hp_rewrite")) as log, \
+            hp_rewrite.auto_patch(plan, artifact_dir=tmp_path, single_process=True):
         model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    assert "single_process=True: the plan's ep_size=2 is not applied" in log.out and "not expert-parallel" in log.out
     assert PreTrainedModel.__dict__["from_pretrained"] is original
     assert model.hp_rewrite.ep.size == 1 and model.hp_rewrite.patched
     ids = torch.randint(0, 64, (2, 8))
@@ -88,14 +93,52 @@ def test_auto_patch_context_manager_single_process(tiny_dir: Path, tmp_path: Pat
 def test_auto_patch_reads_plan_from_environment(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
     plan = Path(__file__).parent.parent / "plans" / "auto-ep2.yaml"
     monkeypatch.setenv("HP_REWRITE_PLAN", str(plan))
-    handle = hp_rewrite.auto_patch(artifact_dir=tmp_path)
+    handle = hp_rewrite.auto_patch(artifact_dir=tmp_path, single_process=True)
     try:
         from transformers import Qwen3MoeForCausalLM
 
         model = Qwen3MoeForCausalLM.from_pretrained(tiny_dir)
-        assert model.hp_rewrite.plan.ep_size == 2
+        assert model.hp_rewrite.plan.ep_size == 2 and model.hp_rewrite.ep.size == 1
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("how", ["from_pretrained", "auto_patch", "ep4"])
+def test_parallel_plan_without_a_launcher_is_refused(how: str, tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """No torchrun, no process group: a plan with ep_size > 1 is refused, saying how to launch, never a model
+    that holds every expert on every rank while the plan says expert-parallel; nothing is written."""
+    from transformers import AutoModelForCausalLM
+
+    for variable in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    plans = Path(__file__).parent.parent / "plans"
+    plan = plans / ("auto-ep4.yaml" if how == "ep4" else "auto-ep2.yaml")
+    with pytest.raises(hp_rewrite.runtime.ExpertParallelError) as refused:
+        if how == "auto_patch":
+            with hp_rewrite.auto_patch(plan, artifact_dir=tmp_path / "art"):
+                AutoModelForCausalLM.from_pretrained(tiny_dir)
+        else:
+            hp_rewrite.from_pretrained(tiny_dir, plan=plan, artifact_dir=tmp_path / "art")
+    size = 4 if how == "ep4" else 2
+    assert f"ep_size={size}" in str(refused.value) and "torchrun --nproc-per-node N" in str(refused.value)
+    assert "single_process=True" in str(refused.value) and not (tmp_path / "art").exists()
+
+
+def test_load_logs_what_each_rank_holds(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    """One line at load through transformers' logger: the blocks, the EP size and the experts held, TP, the
+    plan's hash (INFO on rank 0; the torchrun example prints it on every rank: test_engines); the weights
+    read under transformers' progress bar, as plain transformers shows it."""
+    plan = hp_rewrite.loading.patch.resolve_plan(Path(__file__).parent.parent / "plans" / "auto-ep2.yaml")
+    hf_logging.set_verbosity_info()
+    try:
+        with CaptureLogger(hf_logging.get_logger("transformers.hp_rewrite")) as log:
+            model = hp_rewrite.from_pretrained(tiny_dir, plan=plan, artifact_dir=tmp_path, single_process=True)
+    finally:
+        hf_logging.set_verbosity_warning()
+    want = (f"hp-rewrite: 2 MoE block(s) expert-parallel, EP 1 (rank 0 of its EP group holds 8 of 8 experts per "
+            f"block), TP 1, plan {plan.hash()[:12]}")
+    assert model.hp_rewrite.summary == want and want in log.out
+    assert "Loading weights" in capsys.readouterr().err
 
 
 def test_auto_patch_without_plan_is_a_clear_error(monkeypatch) -> None:

@@ -184,9 +184,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=list(ENGINES), default="loop")
     parser.add_argument("--output-dir", default="/tmp/hp-rewrite-train-ep", help="trainer and fsdp2 checkpoints")
     args = parser.parse_args()
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    # the model first, the engine after, as users write it: under torchrun the load starts the process group
+    # (the device's backend: gloo here, nccl on GPUs) and every engine built later uses it
     with hp_rewrite.auto_patch(args.plan):  # from_pretrained returns the expert-parallel model
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="eager")
+    print(f"rank {dist.get_rank()} ({dist.get_backend()}): {model.hp_rewrite.summary}", flush=True)
     model.train()
     ENGINES[args.engine](model, args)
     dist.barrier()  # no rank closes its connections while a peer still has one of the last collectives in flight

@@ -52,6 +52,7 @@ __all__ = [
     "transformers_keeps",
     "storage_key",
     "top_k_of",
+    "progress_bar",
     "transformers_logger",
     "transformers_version",
     "without_quantizer_transforms",
@@ -79,6 +80,13 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def progress_bar(items, desc: str, shown: bool = True):
+    """``items`` under transformers' progress bar (off where transformers' bars are off), shown or not."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.tqdm(items, desc=desc, disable=not shown)
 
 
 def transformers_logger(module: str):

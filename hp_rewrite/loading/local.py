@@ -43,9 +43,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..hf import core_model_loading, load_config, meta_model, model_conversion_mapping, quiet_transformers
+from ..hf import (
+    core_model_loading,
+    load_config,
+    meta_model,
+    model_conversion_mapping,
+    progress_bar,
+    quiet_transformers,
+)
 from ..runtime import ExpertParallelGroup
 from ..runtime.quantized import QuantizedWeight
 from .checkpoint_files import (
@@ -266,7 +274,8 @@ class PreparedLoad:
         for name, module, attr, is_param, _ in _tensor_slots(self.model):
             slots.setdefault(name, []).append((module, attr, is_param))
         new_for: dict[int, torch.Tensor] = {}
-        for unit in self.ordered_units():
+        first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        for unit in progress_bar(self.ordered_units(), "Loading weights", shown=first):  # rank 0's, as transformers'
             for name, value in self.filler.fill(unit).items():
                 for module, attr, is_param in slots[name]:
                     old = getattr(module, attr)

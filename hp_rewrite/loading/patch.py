@@ -6,9 +6,10 @@ plan=...)`` does the same for one call. transformers resolves the call as it wou
 model (class, dtype, attention, files); the weights are read by :mod:`hp_rewrite.loading.pretrained`,
 only this rank's experts among them (a checkpoint it cannot read that way is loaded whole and sharded
 after, with a warning).
-The EP group is built from the plan over the initialised
-``torch.distributed`` world; without one, the model runs as EP=1 in one process through the same
-generated code.
+The EP group is built from the plan over the ``torch.distributed`` world, which a parallel plan
+starts under torchrun when nothing has yet (:mod:`.world`); with no launcher a parallel plan is
+refused unless ``single_process=True`` asks for the model whole in one process (EP=1, through the same
+generated code).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..hf import pretrained_class_for, pretrained_model_class
+from ..hf import pretrained_class_for, pretrained_model_class, transformers_logger
 from ..plan import Plan, load_plan
 from ..runtime import (
     ExchangeRuntime,
@@ -38,6 +39,7 @@ from ..runtime.generation import install_lockstep_generation
 from ..runtime.replay import install_replay
 from ..runtime.routing_load import ModelRouting, freeze_routers, install_routing_loads
 from .rank0 import rank0_first
+from .world import ensure_world
 
 PLAN_ENV = "HP_REWRITE_PLAN"
 DEFAULT_ARTIFACT_DIR = Path.home() / ".cache" / "hp-rewrite"
@@ -57,6 +59,7 @@ class RewriteInfo:
     runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
     tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
     routing: ModelRouting | None = None  # the routing counts the plan's routing section asks for
+    summary: str = ""  # what this rank holds, one line (logged at load: load_summary)
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -69,10 +72,12 @@ def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
     return load_plan(plan)
 
 
-def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None) -> ExpertParallelGroup:
-    """The plan's EP group over the initialised world (from ``mesh``, whose ``ep`` dimension must
-    equal the plan's ``ep_size``, or from a mesh built for the plan), or EP=1 in a single process."""
-    if not (dist.is_available() and dist.is_initialized()):
+def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None,
+                              single_process: bool = False) -> ExpertParallelGroup:
+    """The plan's EP group over the world (from ``mesh``, whose ``ep`` dimension must equal the plan's
+    ``ep_size``, or from a mesh built for the plan), started here under a launcher that has not yet
+    (:func:`~.world.ensure_world`); EP=1 for a plan of one rank, or with ``single_process=True``."""
+    if not ensure_world(plan, single_process):
         if mesh is not None:
             raise ExpertParallelError("a device mesh needs torch.distributed initialised (launch with torchrun)")
         return ExpertParallelGroup.single()
@@ -81,15 +86,17 @@ def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None) -> Exp
 
 
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
-                  artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Make a loaded model expert-parallel in place (generate on rank 0, install everywhere)."""
+                  artifact_dir: Path | None = None, mesh: DeviceMesh | None = None,
+                  single_process: bool = False) -> nn.Module:
+    """Make a loaded model expert-parallel in place (generate on rank 0, install everywhere).
+    ``single_process``: as :func:`from_pretrained`'s."""
     from ..match.generate import ensure_artifact
     from .install import install
 
     if getattr(model, "hp_rewrite", None) is not None:
         return model
     refuse_wrapped(model)
-    ep = ep or expert_parallel_group_for(plan, mesh)
+    ep = ep or expert_parallel_group_for(plan, mesh, single_process)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     artifact = rank0_first(lambda: ensure_artifact(model, plan, model.config, out))
     patched = install(model, artifact, plan, ep, shard=True)
@@ -132,10 +139,31 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     load_full_checkpoints(model)
     install_adapter_state_hooks(model)
     model.hp_rewrite = info
+    info.summary = load_summary(model, info)
+    log_load(info.summary)
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def load_summary(model: nn.Module, info: RewriteInfo) -> str:
+    """One line on what this rank holds: the blocks made expert-parallel, the EP size and this rank's
+    experts, TP / SP, the plan's hash."""
+    held = {f"{b.placement.num_local} of {b.placement.num_experts}" for m in model.modules()
+            if (b := getattr(m, "hp_expert_parallel", None)) is not None}
+    experts = ", ".join(sorted(held)) or "none"
+    tp = f"TP {info.plan.tp_size}" + (" with sequence parallelism" if info.plan.sequence_parallel else "")
+    return (f"hp-rewrite: {len(info.patched)} MoE block(s) expert-parallel, EP {info.ep.size} "
+            f"(rank {info.ep.rank} of its EP group holds {experts} experts per block), {tp}, "
+            f"plan {info.plan.hash()[:12]}")
+
+
+def log_load(summary: str) -> None:
+    """The load summary through transformers' logger: INFO on global rank 0, DEBUG on the others."""
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    logger = transformers_logger("hp_rewrite")
+    (logger.info if first else logger.debug)(summary)
 
 
 def tensor_layout(model: nn.Module, plan: Plan, selected) -> object:
@@ -164,12 +192,12 @@ def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: 
 
 
 def load_pretrained(call, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None,
-                    keep_quantized: bool = False):
+                    keep_quantized: bool = False, single_process: bool = False):
     """``call()`` (a transformers ``from_pretrained``) with only this rank's experts read, its result
     rewritten (see :mod:`hp_rewrite.loading.pretrained`)."""
     from .pretrained import load_rewritten
 
-    ep = expert_parallel_group_for(plan, mesh)
+    ep = expert_parallel_group_for(plan, mesh, single_process)
     out = Path(artifact_dir or plan.output.dir or DEFAULT_ARTIFACT_DIR)
     return load_rewritten(
         call, plan, ep, out,
@@ -229,8 +257,9 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
 class AutoPatch:
     """Handle of an installed auto-patch; also a context manager that removes it on exit."""
 
-    def __init__(self, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None) -> None:
-        self.plan, self.artifact_dir, self.mesh = plan, artifact_dir, mesh
+    def __init__(self, plan: Plan, artifact_dir: Path | None = None, mesh: DeviceMesh | None = None,
+                 single_process: bool = False) -> None:
+        self.plan, self.artifact_dir, self.mesh, self.single_process = plan, artifact_dir, mesh, single_process
         self._owner = pretrained_model_class()  # every model class's from_pretrained ends in its
         self._original = self._owner.__dict__["from_pretrained"]
         original_fn = self._original.__func__
@@ -242,7 +271,7 @@ class AutoPatch:
             name = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             kwargs, keep = dequantize_at_load(name, kwargs)
             return load_pretrained(lambda: original_fn(cls, *args, **kwargs), patch.plan, patch.artifact_dir,
-                                   patch.mesh, keep)
+                                   patch.mesh, keep, patch.single_process)
 
         from_pretrained.__doc__ = original_fn.__doc__
         from_pretrained.hp_auto_patch = self
@@ -270,23 +299,31 @@ class AutoPatch:
 
 
 def auto_patch(plan: str | os.PathLike | Plan | None = None, artifact_dir: Path | None = None,
-               mesh: DeviceMesh | None = None) -> AutoPatch:
+               mesh: DeviceMesh | None = None, single_process: bool = False) -> AutoPatch:
     """Install the patch now (global) and return its handle; ``with auto_patch(p):`` scopes it.
 
     With no plan, the path is read from the ``HP_REWRITE_PLAN`` environment variable (at this call,
     never at import time). ``mesh``: the user's device mesh, ``("efsdp", "ep")`` or
-    ``("dp_replicate", "efsdp", "ep")``, whose ``ep`` dimension gives the EP groups.
+    ``("dp_replicate", "efsdp", "ep")``, whose ``ep`` dimension gives the EP groups. ``single_process``:
+    as :func:`from_pretrained`'s.
     """
-    return AutoPatch(resolve_plan(plan), artifact_dir, mesh).install()
+    return AutoPatch(resolve_plan(plan), artifact_dir, mesh, single_process).install()
 
 
 def from_pretrained(model_dir: str | os.PathLike, plan: str | os.PathLike | Plan | None = None,
-                    artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, **kwargs) -> nn.Module:
+                    artifact_dir: Path | None = None, mesh: DeviceMesh | None = None, single_process: bool = False,
+                    **kwargs) -> nn.Module:
     """``from_pretrained`` of the class an Auto class picks for the checkpoint (``kwargs`` as transformers
-    takes them), returned rewritten: one call, no global patch left behind."""
+    takes them), returned rewritten: one call, no global patch left behind.
+
+    Under torchrun a parallel plan starts the process group if nothing has yet (the device's backend, its
+    default timeout), so ``TrainingArguments`` and the other engines built after use it; with no launcher it
+    is refused. ``single_process=True`` asks for the model whole in this process instead, not
+    expert-parallel (for inspection or a notebook; a warning says so)."""
     from .pretrained import dequantize_at_load
 
     plan = resolve_plan(plan)
     kwargs, keep = dequantize_at_load(model_dir, kwargs)
     cls = pretrained_class_for(model_dir, **kwargs)
-    return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh, keep)
+    return load_pretrained(lambda: cls.from_pretrained(model_dir, **kwargs), plan, artifact_dir, mesh, keep,
+                           single_process)
