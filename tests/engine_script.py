@@ -558,8 +558,8 @@ def case_grpo_vllm(model_dir, out):
     stand-in for vLLM's engine (tests/vllm_standin.py): colocated, every rank's engine gets exactly
     ``checkpoint_weights`` (the names vLLM's Qwen3-MoE loader reads, full tensors, what plain
     transformers saves), also with LoRA (the merged weights under the base names); server mode, the
-    main process pushes the same and its metadata; unprepared, TRL sends each rank's slice of the experts
-    under the full tensors' names (what this fixes)."""
+    main process pushes the same and its metadata; unprepared (where TRL would send each rank's slice of
+    the experts under the full tensors' names), the first sync is refused."""
     import torch.distributed as dist
     from datasets import Dataset
     from peft import LoraConfig
@@ -567,6 +567,7 @@ def case_grpo_vllm(model_dir, out):
     from transformers import AutoConfig
     from trl import GRPOConfig, GRPOTrainer
 
+    from hp_rewrite.runtime import ExpertParallelError
     from tests.vllm_standin import vllm_name_problems, vllm_standin
 
     rank = dist.get_rank()
@@ -614,8 +615,12 @@ def case_grpo_vllm(model_dir, out):
     streamed = list(hp_rewrite.checkpoint_weights(trainer.model))
     r["lora"] = problems(sent, dict(streamed), "lora") + (
         [] if not any(torch.equal(t, want[n]) for n, t in streamed if "q_proj" in n) else ["adapter not merged"])
-    _, sent = synced("colocate", prepare=False)
-    r["unprepared_slices"] = sorted({n for n, t in sent if n.endswith("mlp.experts.gate_up_proj") and t.shape[0] == 4})
+    for mode, peft in (("colocate", None), ("server", None), ("colocate", lora)):  # unprepared: refused at the sync
+        try:
+            synced(mode, prepare=False, peft=peft)
+            r[f"unprepared_{mode}{'_lora' if peft else ''}"] = ""
+        except ExpertParallelError as e:
+            r[f"unprepared_{mode}{'_lora' if peft else ''}"] = str(e)
     return r
 
 

@@ -389,8 +389,10 @@ def test_grpo_replays_the_rollout_routes(engine_results: dict) -> None:
 def test_trl_vllm_weight_sync_sends_checkpoint_weights(engine_results: dict) -> None:
     """A prepared GRPOTrainer's vLLM weight sync (TRL's own VLLMGeneration, a recording engine): colocated
     and server mode send what plain transformers saves, under the names vLLM's Qwen3-MoE loader reads;
-    with LoRA the merged weights; unprepared, TRL would send each rank's slice under the full name (#46)."""
+    with LoRA the merged weights (#46). Unprepared, where TRL would send each rank's slice under the full name,
+    the first sync is refused on every rank, naming prepare_trainer: colocated, server, with LoRA (#56)."""
     for rank, r in enumerate(engine_results["grpo_vllm"]):
         assert not r["colocate"] and not r["server"] and not r["lora"], (rank, r)
         assert r["server_metadata"], r
-        assert r["unprepared_slices"], r  # what prepare_trainer fixes
+        for unprepared in ("unprepared_colocate", "unprepared_server", "unprepared_colocate_lora"):
+            assert "hp_rewrite.prepare_trainer(trainer)" in r[unprepared], (rank, unprepared, r[unprepared])

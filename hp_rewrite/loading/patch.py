@@ -144,7 +144,31 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.named_modules = types.MethodType(named_modules, model)  # refuses TRL's own vLLM weight sync
     return model
+
+
+# TRL's VLLMGeneration walks the model in these to send vLLM its weights (prepare_trainer replaces them)
+_TRL_WEIGHT_WALKS = frozenset({"_iter_named_params", "_iter_fsdp_params", "_iter_fsdp1_params", "_iter_fsdp2_params"})
+
+
+def named_modules(self: nn.Module, *args, **kwargs):
+    """``nn.Module.named_modules`` (which ``named_parameters`` and ``parameters`` walk, inside PEFT's wrapper
+    too), refused when TRL's own vLLM weight sync walks the model: a trainer not passed to
+    ``prepare_trainer`` would send vLLM each rank's slice of the experts under the full tensors' names."""
+    frame = sys._getframe(1)
+    for _ in range(12):  # TRL's walk is a few generator frames up (PEFT's and FSDP2's wrappers between)
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_name in _TRL_WEIGHT_WALKS and Path(code.co_filename).name == "vllm_generation.py":
+            raise ExpertParallelError(
+                "TRL's vLLM weight sync is reading an expert-parallel model whose trainer was not passed to "
+                "hp_rewrite.prepare_trainer: it would send vLLM each rank's slice of the experts under the full "
+                "tensors' names. Call hp_rewrite.prepare_trainer(trainer) on every rank after building the trainer "
+                "and before train(); it sends what save_pretrained writes instead")
+        frame = frame.f_back
+    return type(self).named_modules(self, *args, **kwargs)
 
 
 def load_summary(model: nn.Module, info: RewriteInfo) -> str:
