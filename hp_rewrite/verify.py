@@ -1,7 +1,8 @@
 """Run a rewritten model on one rank of a local world and, optionally, check it.
 
-Each rank loads the checkpoint, installs the generated forwards from the artifact with its EP
-group, runs forward and backward on its share of a random batch and, with ``verify``, compares the
+Each rank loads the checkpoint as ``hp_rewrite.from_pretrained`` does (its own experts read; what the
+checkpoint lacks drawn as plain transformers draws it, under the reference's seed), with the generated
+forwards from the artifact and its EP group, runs forward and backward on its share of a random batch and, with ``verify``, compares the
 logits and every parameter gradient with the unmodified model run on the whole batch in the same
 process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
 over the world and expert gradients over the ranks holding the same experts before comparing. With
@@ -20,12 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .hf import pretrained_model
 from .kernels import npu_permute
-from .loading.local import load_expert_parallel
-from .loading.patch import split_dense
+from .loading.patch import load_pretrained
 from .plan import Plan
 from .runtime import (
-    build_expert_parallel_group,
     expert_weights,
     experts_implementation_of,
     kernel_choice,
@@ -40,8 +40,6 @@ FP32_TOL = 1e-5
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                trust_remote_code: bool = False) -> nn.Module:
     """The checkpoint's model with an LM head when it has one (eager attention, eval mode)."""
-    from .hf import pretrained_model
-
     return pretrained_model(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
 
 
@@ -109,20 +107,21 @@ def kernel_choices(model: nn.Module, compute: str, device_type: str, dtype: torc
 def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(max(1, payload.get("threads", 1)))
     plan = Plan.model_validate(payload["plan"])
-    ep = build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, tp_size=plan.tp_size)
+    remote = payload.get("trust_remote_code", False)
     t0 = time.perf_counter()
-    # the same load path as auto_patch: built on meta, only this rank's experts read from disk
-    # fp32 and eager attention, as the reference it is checked against
-    model, report = load_expert_parallel(payload["model_dir"], plan, ep, Path(payload["artifact_root"]),
-                                         dtype=torch.float32, attn_implementation="eager",
-                                         trust_remote_code=payload.get("trust_remote_code", False))
-    patched = report["patched"]
-    split = None
-    if plan.tp_size > 1:  # the dense parts split over the TP group, as from_pretrained under the plan does
-        split = len(split_dense(model, plan, ep, patched).styles)
+    # hp_rewrite.from_pretrained's load: built on meta, only this rank's experts read from disk, what the
+    # checkpoint lacks drawn as plain transformers draws it (the same seed as the reference's load); fp32
+    # and eager attention, as the reference it is checked against; the dense parts split with tp_size > 1
+    torch.manual_seed(payload.get("seed", 0))
+    model = load_pretrained(lambda: pretrained_model(payload["model_dir"], dtype=torch.float32,
+                                                     trust_remote_code=remote),
+                            plan, Path(payload["artifact_root"]))
+    info = model.hp_rewrite
+    report, patched, ep = info.load_report, info.patched, info.ep
+    split = len(info.tensor.styles) if info.tensor is not None else None
     timings = {"load_s": time.perf_counter() - t0}
-    ref = load_model(payload["model_dir"], trust_remote_code=payload.get("trust_remote_code", False)) \
-        if payload["verify"] else None
+    torch.manual_seed(payload.get("seed", 0))
+    ref = load_model(payload["model_dir"], trust_remote_code=remote) if payload["verify"] else None
 
     per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
     gen = torch.Generator().manual_seed(payload.get("seed", 0))

@@ -158,6 +158,20 @@ def test_quantised_checkpoints_from_make_tiny_to_a_verified_run(tmp_path: Path, 
     assert "the MXFP4 Hub layout is gpt-oss's" in capsys.readouterr().out and not (tmp_path / "no").exists()
 
 
+def test_apply_verifies_a_checkpoint_that_lacks_experts(tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint without layer 1's experts (a new layer, a pruned one): apply --nproc 2 --verify loads it as
+    from_pretrained does, the missing experts drawn as plain transformers draws them, each rank its rows, and
+    the run equals the unmodified model loaded the same way (#56)."""
+    from tests.missing_experts_cases import _without
+
+    lacking = _without(tiny_dir, tmp_path / "lacking", lambda k: ".layers.1.mlp.experts." in k)
+    report = tmp_path / "report.json"
+    assert main(["apply", str(PLANS / "auto-ep2.yaml"), str(lacking), "--out", str(tmp_path / "gen"), "--nproc", "2",
+                 "--verify", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5, data["verify"]
+
+
 def test_unsupported_quantisation_is_refused_by_every_command(tiny_dir: Path, tmp_path: Path, capsys) -> None:
     import shutil
 
