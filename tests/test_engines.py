@@ -92,7 +92,7 @@ def test_greedy_generate_and_deepcopy_equal_unmodified(tmp_path: Path) -> None:
         assert r["eos_greedy"] and r["eos_greedy_no_cache"] and r["eos_sampling"], r
         assert r["eos_lengths"]["greedy"] == (1 if rank == 0 else 8), r  # rank 0 stopped first: the case holds
         assert "synced_gpus" in r["synced_false"] and "hang" in r["synced_false"], r
-        assert "generate_batch" in r["generate_batch"] and "use_transformers_paged" in r["generate_batch"], r
+        assert "generate_batch" in r["generate_batch"] and "use_transformers_continuous_batching" in r["generate_batch"], r
 
 
 def test_what_cannot_be_exact_is_refused(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ modules, and TRL's trainers never pass it. :func:`install_lockstep_generation` m
 a rewritten model whose group spans several ranks, as transformers does for FSDP modules: greedy and
 sampling, with and without a cache, directly or through PEFT's and TRL's ``generate``. What would
 leave the loop early anyway is refused by name: ``synced_gpus=False`` and transformers' continuous
-batching (``generate_batch``, which ignores ``synced_gpus``; TRL's ``use_transformers_paged``).
+batching (``generate_batch``, which ignores ``synced_gpus``; TRL's ``use_transformers_continuous_batching``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def _generate(self: nn.Module, *args, **kwargs):
 
 def _generate_batch(self: nn.Module, *args, **kwargs):
     raise ExpertParallelError(
-        "generate_batch (transformers' continuous batching; TRL's use_transformers_paged) on an expert-parallel "
-        "model: it ignores synced_gpus, so ranks whose requests end first would leave the others waiting in the "
-        "expert exchange (a hang); use generate (TRL: use_transformers_paged=False) or a vLLM / SGLang engine")
+        "generate_batch (transformers' continuous batching; TRL's use_transformers_continuous_batching) on an "
+        "expert-parallel model: it ignores synced_gpus, so ranks whose requests end first would leave the others "
+        "waiting in the expert exchange (a hang); use generate (TRL: use_transformers_continuous_batching=False) "
+        "or a vLLM / SGLang engine")
 
 
 def install_lockstep_generation(model: nn.Module, spans_ranks: bool) -> None:
