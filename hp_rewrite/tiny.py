@@ -188,6 +188,17 @@ def sample_input_ids(config, batch: int = 2, seq: int = 8, seed: int = 0) -> tor
     return torch.randint(0, min(TEXT_TOKEN_LIMIT, vocab), (batch, seq), generator=gen)
 
 
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over a tiny vocabulary (words ``t0`` .. ``t{V-1}`` split on spaces; ``t1`` pads,
+    ``t2`` ends), so recipes that need one (TRL's trainers) run on a tiny checkpoint as on the Hub's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t2")
+
+
 # ----------------------------------------------------------------------------------------------
 # checkpoints
 
@@ -200,7 +211,8 @@ def make_tiny(
     quantize: str | None = None,
 ) -> Path:
     """Write a tiny random-weight checkpoint (``save_pretrained``: ``config.json`` +
-    ``model.safetensors``) of ``model_type``, or of the config in ``from_config`` (a directory
+    ``model.safetensors``, and a word-level tokenizer: :func:`tiny_tokenizer`) of ``model_type``, or of the
+    config in ``from_config`` (a directory
     with a ``config.json``, or the file itself), shrunk. Written into a temporary directory next to
     ``out_dir`` and renamed into place; an existing non-empty ``out_dir`` is never overwritten.
     ``quantize`` (``mxfp4`` | ``fp8``): in bf16 and that quantised layout, as the Hub ships it
@@ -224,6 +236,8 @@ def make_tiny(
             if quantize is not None:
                 as_bf16(model)
             model.save_pretrained(tmp)
+            vocab = getattr(cfg.get_text_config(decoder=True), "vocab_size", VOCAB) or VOCAB
+            tiny_tokenizer(vocab).save_pretrained(tmp)
         if quantize is not None:
             write_quantized(model, tmp, quantize)
         if out.exists():

@@ -424,12 +424,9 @@ def _sft_both(model, ref, out: Path, **overrides):
 
 def _word_tokenizer(vocab: int):
     """Words ``t0``..``t{vocab-1}`` split on spaces (GRPO's prompts are text), ``t2`` the EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from hp_rewrite.tiny import tiny_tokenizer
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t2")
+    return tiny_tokenizer(vocab)
 
 
 def _refusal(trainer) -> str:

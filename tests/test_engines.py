@@ -307,31 +307,6 @@ def test_prepare_trainer_refuses_what_it_cannot_make_exact(engine_results: dict)
         assert "DeepSpeed (ZeRO)" in r["deepspeed"] and "fsdp_version: 2" in r["deepspeed"], r
 
 
-@pytest.mark.parametrize("engine", ["loop", "ddp", "trainer", "accelerate", "fsdp2", "accelerate-fsdp2", "trainer-fsdp2",
-                                    "sft-fsdp2"])
-def test_train_ep_example_runs_every_engine(engine: str, tiny_dir: Path, tmp_path: Path) -> None:
-    run = _torchrun(ROOT / "tools" / "train_ep.py", str(tiny_dir), "--plan", str(ROOT / "plans" / "auto-ep2.yaml"),
-                    "--steps", "2", "--engine", engine, "--output-dir", str(tmp_path))
-    assert "step 1: loss" in run.stdout, run.stdout[-2000:]
-    # loaded before any process group existed (the example starts none): the load started it under torchrun,
-    # each rank holds its half of the experts, and the engine built after trained on that world
-    for rank in range(2):
-        assert f"rank {rank} (gloo): hp-rewrite: 2 MoE block(s) expert-parallel, EP 2 (rank {rank} of its EP group " \
-               "holds 4 of 8 experts per block), TP 1" in run.stdout, run.stdout[-2000:]
-
-
-def test_plan_the_launched_world_cannot_hold_is_refused_by_name(tiny_dir: Path, tmp_path: Path) -> None:
-    """Under torchrun with no process group yet, ep_size 4 on 2 ranks: the load starts the world, then refuses
-    the plan by name on every rank (never EP 1 or 2 in its place)."""
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tools" / "train_ep.py"), str(tiny_dir), "--plan", str(ROOT / "plans" / "auto-ep4.yaml"),
-         "--steps", "1", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert run.returncode != 0 and "step 0" not in run.stdout, run.stdout[-2000:]
-    assert run.stderr.count("ep_size=4 does not divide the world size 2") >= 2, run.stderr[-4000:]
-
-
 def test_grpo_through_trl_equals_unmodified(engine_results: dict) -> None:
     """TRL's GRPOTrainer (transformers generating, GRPOConfig's defaults: activation checkpointing,
     sampling; fp32) for one step, prepared, at EP 2 against the unmodified model under DDP, the same
