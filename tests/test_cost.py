@@ -541,6 +541,54 @@ def test_cli_non_expert_needs_suggest(tmp_path, capsys) -> None:
     assert {c["non_expert"] for c in doc["suggest"]} == {"fully_shard"} and doc["suggest"][0]["dp_comm_bytes"] > 0
 
 
+QWEN3_30B = Path(__file__).parent / "configs" / "qwen3_30b_a3b"  # the Hub's config.json, no weights
+GRPO_PLAN = Path(__file__).parent.parent / "plans" / "grpo-qwen3-30b-a3b.yaml"
+
+
+def _colocated(capsys, *extra: str) -> dict:
+    argv = ["cost", str(GRPO_PLAN), str(QWEN3_30B), "--seq-len", "1280", "--micro-batch", "8", "--world-size", "8",
+            "--colocated-vllm", "0.3", "--json", *extra]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)["colocated_rl"]
+    return {**{line["name"]: line["bytes"] for line in doc["lines"]}, "total": doc["total_bytes"],
+            "capacity": doc["capacity_bytes"]}
+
+
+def test_colocated_rl_memory_line_by_line(capsys) -> None:
+    """RL with vLLM colocated (docs/training.md's GRPO recipe): Qwen3-30B-A3B at EP 8 on 8 GPUs, each line
+    against arithmetic by hand: LoRA r 16 fits an 80 GB H100 beside vLLM's 30%, full fine-tuning under FSDP2
+    (16 bytes a parameter) does not, and fits a 141 GB H200."""
+    hidden, inter, experts, layers, vocab, tokens = 2048, 768, 128, 48, 151936, 8 * 1280
+    local = experts // 8 * layers * 3 * hidden * inter  # this rank's routed expert parameters
+    lora = _colocated(capsys, "--lora", "16", "--hardware", "h100-nvlink")
+    assert lora["routed experts, frozen"] == pytest.approx(local * 2, rel=1e-9)
+    adapters = experts // 8 * layers * 16 * ((hidden + 2 * inter) + (inter + hidden))  # gate_up and down
+    assert lora["LoRA adapters: weights, gradients, AdamW"] == pytest.approx(adapters * 16, rel=1e-9)
+    assert lora["vLLM, colocated"] == pytest.approx(0.3 * 80e9)
+    assert lora["logits and their gradient"] == pytest.approx(2 * tokens * vocab * 4)
+    assert lora["activations, checkpointed"] > layers * tokens * hidden * 2  # the layers' inputs, plus one layer
+    assert lora["total"] == pytest.approx(sum(v for k, v in lora.items() if k not in ("total", "capacity")))
+    assert 40e9 < lora["total"] < lora["capacity"] == 80e9
+
+    full = _colocated(capsys, "--non-expert", "fully_shard", "--hardware", "h100-nvlink")
+    states = full["routed experts"] + full["other weights"] + full["gradients"] + full["fp32 masters and Adam moments"]
+    assert full["routed experts"] == pytest.approx(local * 2, rel=1e-9)  # EP 8 on 8 GPUs: no replica to shard over
+    assert states == pytest.approx(16 * (full["routed experts"] + full["other weights"]) / 2, rel=1e-9)
+    assert full["total"] > full["capacity"]
+    assert _colocated(capsys, "--non-expert", "fully_shard", "--hardware", "h200-nvlink")["total"] < 141e9
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--colocated-vllm", "0.3"], "--world-size"),
+    (["--colocated-vllm", "1.5", "--world-size", "8"], "a fraction of the device"),
+    (["--colocated-vllm", "0.3", "--world-size", "8", "--lora", "8", "--non-expert", "fully_shard"], "FSDP2"),
+])
+def test_colocated_rl_memory_user_errors(extra, message, capsys) -> None:
+    assert main(["cost", str(GRPO_PLAN), str(QWEN3_30B), "--seq-len", "64", "--micro-batch", "1", *extra]) == 2
+    out = capsys.readouterr().out
+    assert message in out and "Traceback" not in out, out
+
+
 # ---------------------------------------------------------------------------------------------
 # hardware presets and calibration
 

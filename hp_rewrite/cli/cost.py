@@ -111,6 +111,10 @@ def register(sub) -> None:
     co.add_argument("--keep-quantized", action="store_true",
                     help="with --lora: the experts held as the checkpoint's MXFP4 / FP8 codes and scales "
                     "(from_pretrained(..., quantization_config=...(dequantize=False)))")
+    co.add_argument("--colocated-vllm", type=float, default=None, metavar="F",
+                    help="RL with vLLM on the same GPUs (TRL's vllm_mode='colocate'): the memory each rank holds, "
+                    "line by line, beside the F (vllm_gpu_memory_utilization) of the device vLLM takes; with "
+                    "--world-size W, --non-expert replicate (default) or fully_shard, --lora R")
     co.add_argument("--trust-remote-code", action="store_true",
                     help="build the checkpoint's own modeling code (its config.json auto_map), as transformers' "
                     "trust_remote_code=True; read that code first")
@@ -124,7 +128,7 @@ def _run(ns) -> int:
 
 
 def cost(args: CostArgs, request) -> int:
-    from ..cost.report import cost_table, memory_lines, suggest_table, time_line
+    from ..cost.report import colocated_table, cost_table, memory_lines, suggest_table, time_line
     from ..cost.run import calibrate_to, estimate_cost
 
     if args.calibrate:
@@ -164,4 +168,6 @@ def cost(args: CostArgs, request) -> int:
         console.print(line, highlight=False)
     if report.candidates:
         console.print(suggest_table(report.candidates, request.world_size, hw))
+    if report.colocated is not None:
+        console.print(colocated_table(report))
     return 0

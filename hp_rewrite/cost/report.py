@@ -216,3 +216,16 @@ def profile_table(profile: RoutingProfile, ep: int) -> Table:
             f"{lay.balanced_loads(ep).imbalance:.3f}",
         )
     return table
+
+
+def colocated_table(report) -> Table:
+    """RL with vLLM colocated: what each rank holds, line by line, and whether it fits the device."""
+    hw, total = report.hardware, report.colocated_total
+    verdict = "fits" if total <= hw.memory_bytes else "does NOT fit"
+    table = Table(title=f"RL with vLLM colocated, per GPU on {hw.name}: {_gb(total)} GB of {_gb(hw.memory_bytes)} GB, "
+                  f"{verdict} (estimated; keep a few GB for the CUDA context, NCCL and fragmentation)")
+    for col, justify in (("", "left"), ("GB", "right"), ("", "left")):
+        table.add_column(col, justify=justify)
+    for line in report.colocated:
+        table.add_row(line.name, _gb(line.bytes), line.note)
+    return table

@@ -42,6 +42,7 @@ class CostRequest:
     trust_remote_code: bool = False  # build a remote-code model (its config.json auto_map)
     lora: int = 0  # > 0: a frozen base with LoRA of this rank on the routed experts
     keep_quantized: bool = False  # the routed experts held as the checkpoint's MXFP4 / FP8 codes (with --lora)
+    colocated_vllm: float | None = None  # RL with vLLM on the same GPUs: its vllm_gpu_memory_utilization
 
 
 @dataclass
@@ -53,6 +54,11 @@ class CostReport:
     candidates: list  # ranking.Candidate, with --suggest
     reserve_bytes: float
     load: object = None  # load.LoadBytes: what each rank reads from the checkpoint
+    colocated: list | None = None  # colocated.MemoryLine: RL with vLLM on the same GPUs, per rank
+
+    @property
+    def colocated_total(self) -> float:
+        return sum(line.bytes for line in self.colocated or ())
 
     def as_json(self) -> dict:
         spec, st = self.spec, self.time
@@ -72,6 +78,9 @@ class CostReport:
                      "exposed_comm_s": st.exposed_comm},
             "suggest": [_candidate_json(c) for c in self.candidates],
             "load": self.load.as_dict() if self.load is not None else None,
+            "colocated_rl": None if self.colocated is None else {
+                "lines": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.colocated],
+                "total_bytes": self.colocated_total, "capacity_bytes": self.hardware.memory_bytes},
         }
 
 
@@ -157,8 +166,9 @@ def estimate_cost(req: CostRequest) -> CostReport:
     if req.lora and req.non_expert == "fully_shard":
         raise UserError("--lora with --non-expert fully_shard: FSDP2 over PEFT adapters on the experts is refused "
                         "(docs/training.md); use --non-expert replicate")
-    if req.non_expert is not None and not req.suggest:
-        raise UserError("--non-expert replicate|fully_shard goes with --suggest --world-size W")
+    if req.non_expert is not None and not (req.suggest or req.colocated_vllm is not None):
+        raise UserError("--non-expert replicate|fully_shard goes with --suggest or --colocated-vllm, and --world-size W")
+    colocated = _colocated(req, result, hw, config, spec) if req.colocated_vllm is not None else None
     if req.suggest:
         if not req.world_size:
             raise UserError("--suggest needs --world-size W (the ranks to split into EP x DP)")
@@ -167,7 +177,23 @@ def estimate_cost(req: CostRequest) -> CostReport:
         if not cands:
             raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))}) divides both the world "
                             f"size {req.world_size} and the experts")
-    return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep))
+    return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep),
+                      colocated)
+
+
+def _colocated(req: CostRequest, result, hw, config, spec) -> list:
+    """The per-rank memory lines of RL with vLLM colocated (:mod:`.colocated`)."""
+    from .colocated import colocated_rl_memory
+
+    if not req.world_size:
+        raise UserError("--colocated-vllm needs --world-size W (the training ranks, one GPU each)")
+    text = config.get_text_config(decoder=True)
+    try:
+        return colocated_rl_memory(result, req.world_size, req.non_expert or "replicate", req.colocated_vllm,
+                                   hw.memory_bytes, text.hidden_size, text.vocab_size,
+                                   spec.num_hidden_layers or text.num_hidden_layers)
+    except ValueError as e:
+        raise UserError(f"--colocated-vllm: {e}") from e
 
 
 def _kept_bytes(fmt, req: CostRequest) -> float | None:
