@@ -16,7 +16,8 @@ model_dir = sys.argv[1]
 plan = sys.argv[2] if len(sys.argv) > 2 else "plans/auto-ep2.yaml"
 
 model = hp_rewrite.from_pretrained(model_dir, plan=plan)
-device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+accelerator = torch.accelerator.current_accelerator()  # cuda, npu, xpu; None on a CPU-only machine
+device = torch.device(accelerator.type, int(os.environ["LOCAL_RANK"])) if accelerator else torch.device("cpu")
 model.to(device).train()
 hp_rewrite.fully_shard(model)  # over the mesh the EP groups came from: ("efsdp", "ep")
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

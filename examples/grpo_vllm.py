@@ -29,7 +29,7 @@ model = hp_rewrite.from_pretrained(model_dir, plan=plan)
 prompts = Dataset.from_dict({"prompt": [f"t{3 + i} t{4 + i} t{5 + i}" for i in range(16)]})  # your prompts here
 args = GRPOConfig(output_dir="out/grpo_vllm", use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=4,
                   num_generations=4, max_completion_length=8, max_steps=2, learning_rate=1e-5, logging_steps=1,
-                  report_to=[], use_cpu=not torch.cuda.is_available())  # bf16 (the default) on a CPU needs use_cpu
+                  report_to=[], use_cpu=not torch.accelerator.is_available())  # bf16 (the default) on a CPU needs use_cpu
 with hp_rewrite.vllm_returns_routes():  # TRL's vLLM engine returns the experts it chose
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=prompts,
                           processing_class=AutoTokenizer.from_pretrained(model_dir))

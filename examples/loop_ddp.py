@@ -21,7 +21,8 @@ plan = sys.argv[2] if len(sys.argv) > 2 else "plans/auto-ep2.yaml"
 
 model = hp_rewrite.from_pretrained(model_dir, plan=plan)  # each rank: its experts, the rest whole
 print(f"rank {dist.get_rank()} ({dist.get_backend()}): {model.hp_rewrite.summary}", flush=True)
-device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+accelerator = torch.accelerator.current_accelerator()  # cuda, npu, xpu; None on a CPU-only machine
+device = torch.device(accelerator.type, int(os.environ["LOCAL_RANK"])) if accelerator else torch.device("cpu")
 model.to(device).train()
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

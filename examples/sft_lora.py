@@ -28,7 +28,7 @@ lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_pro
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 args = SFTConfig(output_dir="out/sft_lora", per_device_train_batch_size=2, max_steps=3, learning_rate=1e-4,
                  logging_steps=1, save_steps=3, report_to=[],
-                 use_cpu=not torch.cuda.is_available())  # bf16 (SFTConfig's default) on a CPU needs use_cpu
+                 use_cpu=not torch.accelerator.is_available())  # bf16 (SFTConfig's default) on a CPU needs use_cpu
 trainer = SFTTrainer(model=model, args=args, train_dataset=train, peft_config=lora,
                      processing_class=AutoTokenizer.from_pretrained(model_dir))
 hp_rewrite.prepare_trainer(trainer)  # every rank, before train()

@@ -139,7 +139,8 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
               "kernels": kernel_choices(model, plan.runtime.compute, out.device.type, out.dtype),
               "permutations": permutations_used(plan.runtime.dedup, plan.ep_size,
                                                 npu_permute.wanted(plan.runtime.compute, out.device.type)),
-              "loaded_bytes": {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
+              # None where transformers read the whole checkpoint (not safetensors, ZeRO-3): sharded after
+              "loaded_bytes": report and {"experts": report["expert_bytes"], "other": report["non_expert_bytes"]}}
     if split is not None:
         result["tensor_parallel"] = {"tp_size": plan.tp_size, "sequence_parallel": plan.sequence_parallel,
                                      "split_modules": split}

@@ -569,6 +569,9 @@ def test_colocated_rl_memory_line_by_line(capsys) -> None:
     assert lora["activations, checkpointed"] > layers * tokens * hidden * 2  # the layers' inputs, plus one layer
     assert lora["total"] == pytest.approx(sum(v for k, v in lora.items() if k not in ("total", "capacity")))
     assert 40e9 < lora["total"] < lora["capacity"] == 80e9
+    # docs/training.md's GRPO recipe: vLLM at 0.45 of the H100
+    assert _colocated(capsys, "--lora", "16", "--hardware", "h100-nvlink", "--colocated-vllm", "0.45")["total"] == \
+        pytest.approx(63.1e9, abs=0.05e9)
 
     full = _colocated(capsys, "--non-expert", "fully_shard", "--hardware", "h100-nvlink")
     states = full["routed experts"] + full["other weights"] + full["gradients"] + full["fp32 masters and Adam moments"]

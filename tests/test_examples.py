@@ -4,6 +4,7 @@ starts the process group under torchrun), trains a few steps through its engine 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def _run(example: str, tiny_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The example under torchrun in ``cwd``, whose home it is too (its artifact cache, ~/.cache/hp-rewrite,
+    this run's alone)."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(ROOT / "tests" / "run_example.py"), str(ROOT / "examples" / f"{example}.py"), str(tiny_dir), *args],
-        capture_output=True, text=True, timeout=600, cwd=cwd)
+        capture_output=True, text=True, timeout=600, cwd=cwd, env={**os.environ, "HOME": str(cwd)})
 
 
 def test_every_example_is_tested() -> None:
@@ -43,6 +46,7 @@ def test_example_runs_as_written(example: str, tiny_dir: Path, tmp_path: Path) -
     run = _run(example, tiny_dir, tmp_path, str(plan))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert (tmp_path / WRITES[example]).exists(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert any((tmp_path / ".cache" / "hp-rewrite").iterdir())  # the default artifact cache, under this home
     sharded = "fsdp2" in example  # accelerate took its FSDP path, as on a GPU machine
     assert run.stdout.count(f"example {example}.py rank") == 2, run.stdout[-2000:]
     assert f"FSDP2 {not sharded}" not in run.stdout, run.stdout[-2000:]

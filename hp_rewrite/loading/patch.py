@@ -77,6 +77,8 @@ def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None,
     """The plan's EP group over the world (from ``mesh``, whose ``ep`` dimension must equal the plan's
     ``ep_size``, or from a mesh built for the plan), started here under a launcher that has not yet
     (:func:`~.world.ensure_world`); EP=1 for a plan of one rank, or with ``single_process=True``."""
+    if single_process and mesh is not None:
+        raise ExpertParallelError("single_process=True loads the model whole in this process: pass no mesh")
     if not ensure_world(plan, single_process):
         if mesh is not None:
             raise ExpertParallelError("a device mesh needs torch.distributed initialised (launch with torchrun)")
@@ -144,7 +146,8 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     # the model's own save_pretrained would write only this rank's experts: gather them instead
     model.hp_original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
-    model.named_modules = types.MethodType(named_modules, model)  # refuses TRL's own vLLM weight sync
+    if info.ep.size > 1 or info.ep.tp_size > 1:  # the experts are split: refuse TRL's own vLLM weight sync
+        model.named_modules = types.MethodType(named_modules, model)
     return model
 
 

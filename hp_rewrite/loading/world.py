@@ -3,7 +3,8 @@
 Users load the model first and build ``TrainingArguments`` / ``GRPOConfig`` (which start the process group)
 after. Under a launcher (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``) whose process group is not
 started yet, a parallel plan starts it, as transformers does for ``from_pretrained(tp_plan=...)``: the
-device's backend and the backend's default timeout, so the engines built later use it. With no launcher
+device's backend, and the 30 minutes Trainer, TRL and accelerate would have started it with, so the
+engines built later use it (to choose another timeout, start the group before loading). With no launcher
 and no process group a parallel plan is refused, unless the call asks for one process in so many words
 (``single_process=True``): never a model that says it is expert-parallel and is not.
 """
@@ -11,6 +12,7 @@ and no process group a parallel plan is refused, unless the call asks for one pr
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,14 +36,19 @@ def device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
+# the timeout Trainer, TRL and accelerate start the world with (TrainingArguments.ddp_timeout's default): the
+# load now starts it in their place, so their default holds, not torch's shorter one for NCCL (10 minutes)
+WORLD_TIMEOUT = timedelta(seconds=1800)
+
+
 def start_launched_world() -> str:
-    """Start the default process group from the launcher's variables: the device's backend, its default
-    timeout, this process's accelerator the one of its local rank. Returns the backend."""
+    """Start the default process group from the launcher's variables: the device's backend, the engines'
+    default timeout, this process's accelerator the one of its local rank. Returns the backend."""
     kind = device_type()
     if kind != "cpu":
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
     backend = BACKENDS.get(kind, "gloo")
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=WORLD_TIMEOUT)
     return backend
 
 
