@@ -35,7 +35,7 @@ from hp_rewrite.runtime import (
     softmax_topk,
 )
 from hp_rewrite.runtime import experts as experts_module
-from hp_rewrite.runtime.groups import backend_name, world_timeout
+from hp_rewrite.runtime.group.groups import backend_name, world_timeout
 
 H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
 FP32_TOL = 1e-5

@@ -25,7 +25,7 @@ from hp_rewrite.runtime.exchange import (
     TokenExchange,
     exchange_for,
 )
-from hp_rewrite.runtime.groups import ExpertPlacement
+from hp_rewrite.runtime.group.groups import ExpertPlacement
 from hp_rewrite.runtime.install import ExpertParallelBinding
 
 RUNTIME = Path(__file__).resolve().parents[1] / "hp_rewrite" / "runtime"

@@ -120,7 +120,7 @@ class Knobs:
         if self.placement_loads is None or num_experts % ep:
             return None  # contiguous, or an ep that cannot hold these experts at all
         from ..runtime.errors import ExpertParallelError
-        from ..runtime.groups import ExpertPlacement
+        from ..runtime.group.groups import ExpertPlacement
 
         loads = self.placement_loads.get(path)
         if loads is None or len(loads) != num_experts:  # the same refusal as installing the plan

@@ -39,7 +39,7 @@ class LayerProfile:
 
     def balanced_loads(self, ep: int) -> RankLoads:
         """Rank loads under the plan's ``placement: {strategy: balanced}`` built from this profile."""
-        from ..runtime.groups import ExpertPlacement
+        from ..runtime.group.groups import ExpertPlacement
 
         placement = ExpertPlacement.balanced(self.tokens_per_expert, ep, 0)
         return RankLoads(tuple(placement.rank_loads(self.tokens_per_expert)), "histogram")

@@ -30,7 +30,7 @@ from .gradients import (
     rank_local_parameters,
     sync_gradients,
 )
-from .groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
+from .group.groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
 from .input_scaled import combine_input_scaled, dispatch_input_scaled
 from .install import (
     ExpertParallelBinding,

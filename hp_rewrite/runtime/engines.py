@@ -40,7 +40,7 @@ from .gradients import (
     reduce_rank_local_grads,
     trains_rank_local_only,
 )
-from .groups import ExpertParallelGroup
+from .group.groups import ExpertParallelGroup
 from .install import exchange_runtimes
 from .turns import in_interleaved_step
 

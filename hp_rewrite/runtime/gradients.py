@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from .errors import ExpertParallelError
 from .experts import holder_of
 from .gradnorm import mark_expert_grads
-from .groups import ExpertParallelGroup
+from .group.groups import ExpertParallelGroup
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
 

@@ -34,7 +34,7 @@ from .experts import (
     local_experts_forward,
     shard_experts,
 )
-from .groups import ExpertParallelGroup, ExpertPlacement
+from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 from .replay import LayerRoutes
 from .routers import from_dispatch_masks

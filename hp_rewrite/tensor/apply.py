@@ -3,7 +3,7 @@ parallel boundaries around it.
 
 Without sequence parallelism every activation between the modules is replicated over the TP group:
 an attention or MLP is column- then row-parallel (its output all-reduced), the MoE block runs on all
-tokens and dispatches only this rank's share (:mod:`hp_rewrite.runtime.tokens`), and every whole
+tokens and dispatches only this rank's share (:mod:`hp_rewrite.runtime.group.tokens`), and every whole
 parameter gets the same, complete gradient on every rank of the group.
 
 With sequence parallelism the residual stream and the decoder norms hold this rank's chunk of the
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..runtime import tokens
+from ..runtime.group import tokens
 from .comm import sum_grads
 from .errors import TensorParallelError
 from .layout import COLWISE, HEAD_NORM, MLA_ROPE, ROWWISE, TensorLayout

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..runtime import tokens
+from ..runtime.group import tokens
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard
 
 from ..runtime import ExpertParallelError
 from ..runtime.gradients import rank_local_modules
-from ..runtime.groups import EP_DIM, backend_name, check_mesh
+from ..runtime.group.groups import EP_DIM, backend_name, check_mesh
 from ..runtime.quantized import QuantizedWeight
 from . import info_of, peft_model_of, rewritten_model
 

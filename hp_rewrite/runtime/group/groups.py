@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 EP_DIM = "ep"  # the mesh dimension of the EP groups: the last one (consecutive ranks)
 EXPERT_DP_DIMS = ("dp_replicate", "efsdp")  # mesh dimensions over which ranks hold the same experts

@@ -1,0 +1,1 @@
+"""The EP group and where experts live: meshes, groups, placement, the TP token share."""
