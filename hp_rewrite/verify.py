@@ -31,8 +31,8 @@ from .runtime import (
     kernel_choice,
     local_rows,
 )
-from .runtime.exchange import permutations_used
 from .runtime.gradients import sync_gradients
+from .runtime.transport.exchange import permutations_used
 
 FP32_TOL = 1e-5
 

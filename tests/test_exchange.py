@@ -13,10 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, comm
+from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions
 from hp_rewrite.runtime.context import ExchangeRuntime
 from hp_rewrite.runtime.deferred import WeightGradQueue
-from hp_rewrite.runtime.exchange import (
+from hp_rewrite.runtime.group.groups import ExpertPlacement
+from hp_rewrite.runtime.install import ExpertParallelBinding
+from hp_rewrite.runtime.transport import comm
+from hp_rewrite.runtime.transport.exchange import (
     DEDUP,
     NPU_PER_SLOT,
     PER_SLOT,
@@ -25,8 +28,6 @@ from hp_rewrite.runtime.exchange import (
     TokenExchange,
     exchange_for,
 )
-from hp_rewrite.runtime.group.groups import ExpertPlacement
-from hp_rewrite.runtime.install import ExpertParallelBinding
 
 RUNTIME = Path(__file__).resolve().parents[1] / "hp_rewrite" / "runtime"
 
@@ -50,7 +51,7 @@ def test_dispatch_and_combine_have_no_exchange_branches() -> None:
 
 
 def test_comm_reaches_neither_the_scheduler_nor_the_queue() -> None:
-    tree = ast.parse((RUNTIME / "comm.py").read_text())
+    tree = ast.parse((RUNTIME / "transport" / "comm.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"turns", "deferred", "give_turn", "WeightGradQueue"}, imported

@@ -1,5 +1,5 @@
 """What runs on a GPU, checked on CPU: the kernel choice by device capability, the grouped path under
-autocast with fp32 weights, the fixed-order sums and the packed side values of runtime/rows.py.
+autocast with fp32 weights, the fixed-order sums and the packed side values of runtime/transport/rows.py.
 
 The multi-rank parts (one host read per layer, one all-to-all per direction, the layer's autograd
 graph) are in test_rewrite.py and test_ep_parity.py, in their worlds."""
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hp_rewrite.kernels import KernelProblem, choose
 from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel
-from hp_rewrite.runtime.rows import copy_table, fixed_order_sum, gather_rows, pack_rows, unpack_rows
+from hp_rewrite.runtime.transport.rows import copy_table, fixed_order_sum, gather_rows, pack_rows, unpack_rows
 from tests.ep_cases import BF16_TOL, E, H, _rel, build_block, ep_forward, reference_forward
 
 

@@ -17,7 +17,7 @@ from .spec import ModelSpec, MoELayerSpec
 
 COUNT_BYTES = 8  # the runtime exchanges int64 split sizes
 # dedup: each row carries, per slot, one column (in the activations' dtype) per byte of its routing weight
-# (fp32 at most) and of its int16 local expert id (runtime/rows.py pack_rows)
+# (fp32 at most) and of its int16 local expert id (runtime/transport/rows.py pack_rows)
 SIDE_COLUMNS_PER_SLOT = 4 + 2
 
 

@@ -7,11 +7,9 @@ Everything here is typed and takes its settings as arguments; nothing reads the 
 
 from . import expert_modules
 from .capacity import CapacityResult, apply_capacity, expert_capacity
-from .comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .context import ExchangeRuntime
 from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
 from .errors import ExpertParallelError
-from .exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
 from .experts import (
     ExpertsLayout,
     LocalBatch,
@@ -44,6 +42,8 @@ from .install import (
 from .options import RuntimeOptions
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
+from .transport.comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
+from .transport.exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
 from .turns import Interleaver, interleave
 
 __all__ = [

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..kernels import npu_permute
+from ...kernels import npu_permute
 from . import comm, dedup
 from . import rows as rows_mod
 
