@@ -42,8 +42,8 @@ _LAZY = {
     "rank_local_names": "hp_rewrite.runtime.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
     "checkpoint_weights": "hp_rewrite.loading.weights",
-    "interleave": "hp_rewrite.runtime.turns",
-    "Interleaver": "hp_rewrite.runtime.turns",
+    "interleave": "hp_rewrite.runtime.overlap.turns",
+    "Interleaver": "hp_rewrite.runtime.overlap.turns",
     "UserError": "hp_rewrite.errors",  # every mistake the user can fix (also of transformers' type where it raises)
 }
 

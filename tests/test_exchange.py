@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions
-from hp_rewrite.runtime.context import ExchangeRuntime
-from hp_rewrite.runtime.deferred import WeightGradQueue
 from hp_rewrite.runtime.group.groups import ExpertPlacement
 from hp_rewrite.runtime.install import ExpertParallelBinding
+from hp_rewrite.runtime.overlap.context import ExchangeRuntime
+from hp_rewrite.runtime.overlap.deferred import WeightGradQueue
 from hp_rewrite.runtime.transport import comm
 from hp_rewrite.runtime.transport.exchange import (
     DEDUP,
@@ -70,7 +70,7 @@ def test_the_group_holds_no_queue() -> None:
 
 
 def test_no_module_keeps_runtime_state() -> None:
-    import hp_rewrite.runtime.context as context
+    import hp_rewrite.runtime.overlap.context as context
 
     assert not [n for n, v in vars(context).items() if isinstance(v, (dict, list, set)) and not n.startswith("__")]
 

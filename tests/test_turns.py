@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hp_rewrite import Interleaver, interleave
-from hp_rewrite.runtime.turns import give_turn
+from hp_rewrite.runtime.overlap.turns import give_turn
 
 
 def _steps(log: list[str], parts: dict[str, int]):

@@ -7,7 +7,6 @@ Everything here is typed and takes its settings as arguments; nothing reads the 
 
 from . import expert_modules
 from .capacity import CapacityResult, apply_capacity, expert_capacity
-from .context import ExchangeRuntime
 from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
 from .errors import ExpertParallelError
 from .experts import (
@@ -40,11 +39,12 @@ from .install import (
     local_rows,
 )
 from .options import RuntimeOptions
+from .overlap.context import ExchangeRuntime
+from .overlap.turns import Interleaver, interleave
 from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
 from .transport.comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .transport.exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
-from .turns import Interleaver, interleave
 
 __all__ = [
     "CapacityResult",

@@ -42,7 +42,7 @@ from .gradients import (
 )
 from .group.groups import ExpertParallelGroup
 from .install import exchange_runtimes
-from .turns import in_interleaved_step
+from .overlap.turns import in_interleaved_step
 
 # Where wrappers put the model: PEFT (PeftModel -> LoraModel -> model) and torch.compile
 # (OptimizedModule._orig_mod). A DDP built around a wrapper reads the ignore list through the

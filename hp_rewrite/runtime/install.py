@@ -23,7 +23,6 @@ from torch import nn
 
 from .. import kernels
 from . import expert_modules
-from .context import ExchangeRuntime
 from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
 from .experts import (
@@ -36,6 +35,7 @@ from .experts import (
 )
 from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
+from .overlap.context import ExchangeRuntime
 from .replay import LayerRoutes
 from .routers import from_dispatch_masks
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 
 class WeightGradQueue:

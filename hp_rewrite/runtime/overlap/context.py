@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..options import RuntimeOptions
+from ..transport.comm import WaitHooks
 from .deferred import WeightGradQueue
-from .options import RuntimeOptions
-from .transport.comm import WaitHooks
 from .turns import give_turn
 
 
