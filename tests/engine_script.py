@@ -730,7 +730,7 @@ def case_sft_gpt_oss_mxfp4_kept(model_dir, out):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from hp_rewrite.runtime.compute.quantized import QuantizedWeight
     from tests.quantized_cases import make_checkpoint
 
     checkpoint = out / "gpt_oss-mxfp4"

@@ -34,7 +34,7 @@ from hp_rewrite.runtime import (
     sigmoid_group,
     softmax_topk,
 )
-from hp_rewrite.runtime import experts as experts_module
+from hp_rewrite.runtime.compute import experts as experts_module
 from hp_rewrite.runtime.group.groups import backend_name, world_timeout
 
 H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
@@ -508,7 +508,7 @@ def wire_facts(family: str, ep, dedup: bool, chunks: int = 1) -> dict:
 
 class _GroupedCalls:
     """While active (and ``watch``), records each grouped_mm call's rows and smallest group, and how many
-    batches the runtime padded (:func:`hp_rewrite.runtime.batch.pad_empty_groups`)."""
+    batches the runtime padded (:func:`hp_rewrite.runtime.compute.batch.pad_empty_groups`)."""
 
     def __init__(self, watch: bool) -> None:
         self.watch, self.calls, self.padded = watch, [], 0

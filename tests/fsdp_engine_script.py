@@ -399,7 +399,7 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     resumed.train(resume_from_checkpoint=str(out / "lora" / "checkpoint-1"))
     result["resume_worst"] = _lora_worst(resumed_model, model)
     if kept_fp8:
-        from hp_rewrite.runtime.quantized import QuantizedWeight
+        from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
         result["codes_kept"] = sum(isinstance(p, QuantizedWeight) for p in model.parameters())
     return result

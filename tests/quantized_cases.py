@@ -171,7 +171,7 @@ def _kept_under_fsdp2(kept, peft_ref, config: dict, ids: torch.Tensor, mine: sli
     rest sharded; one SGD step from ``peft_ref``'s adapters, against it on the whole batch."""
     from peft import get_peft_model
 
-    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from hp_rewrite.runtime.compute.quantized import QuantizedWeight
     from tests.fsdp_cases import _full
     from tests.peft_cases import copy_local_adapters, expert_slicers
 
@@ -211,7 +211,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     from hp_rewrite.runtime import holder_of
-    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
     torch.set_num_threads(1)
     art, out = Path(payload["artifacts"]), {}

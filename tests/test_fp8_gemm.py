@@ -18,7 +18,7 @@ from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.loading.quantized import dequantize_fp8, quantize_fp8, quantize_mxfp4
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import ExpertParallelError
-from hp_rewrite.runtime.quantized import QuantizedWeight
+from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 FORWARD_TOL = {torch.float32: 3e-2, torch.bfloat16: 4e-2}  # docs/checkpoints.md gives the measured errors
@@ -137,7 +137,7 @@ def test_fp8_gemm_against_the_decoded_experts(dtype, monkeypatch) -> None:
 
 def test_fp8_gemm_dx_is_the_decoded_weights() -> None:
     """One projection: dX of the FP8 forward equals the decoded path's bit for bit."""
-    from hp_rewrite.runtime.quantized import QuantizedProjection, quantized_project
+    from hp_rewrite.runtime.compute.quantized import QuantizedProjection, quantized_project
 
     weight = next(p for p in _kept_model(True).parameters() if isinstance(p, QuantizedWeight))
     counts = [5, 0, 7, 4]

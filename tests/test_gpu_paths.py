@@ -120,7 +120,7 @@ def test_padded_groups_give_the_same_rows_and_gradients(known: bool) -> None:
         install_expert_parallel,
         local_experts_forward,
     )
-    from hp_rewrite.runtime.batch import pad_empty_groups
+    from hp_rewrite.runtime.compute.batch import pad_empty_groups
 
     blk = build_block("qwen3")
     install_expert_parallel(blk.experts, num_experts=E, ep=ExpertParallelGroup.single(), options=RuntimeOptions())

@@ -1,4 +1,4 @@
-"""Experts kept as MXFP4 / block-FP8 codes (:mod:`hp_rewrite.runtime.quantized`), in one process: the
+"""Experts kept as MXFP4 / block-FP8 codes (:mod:`hp_rewrite.runtime.compute.quantized`), in one process: the
 device decoders equal the loader's (transformers' values) bit for bit; a kept weight decoded a bounded
 chunk of experts at a time gives the dequantised model's forward and every LoRA gradient (fp32, 1e-5),
 keeps no decoded copy for the backward, and refuses writes and training by name. Loading kept
@@ -18,7 +18,7 @@ from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.loading.quantized import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import ExpertParallelError
-from hp_rewrite.runtime.quantized import QuantizedWeight
+from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 TOL = 1e-5
@@ -109,7 +109,7 @@ def test_one_chunk_needs_no_host_counts_and_several_adapters_are_refused_undecod
     delta) refused by name before anything is decoded whole."""
     from peft import LoraConfig, get_peft_model
 
-    from hp_rewrite.runtime.batch import LocalBatch
+    from hp_rewrite.runtime.compute.batch import LocalBatch
 
     ref, model = _kept_pair("qwen3_moe", chunk_mb="64")
     reads = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_rewrite.runtime import npu
+from hp_rewrite.kernels import npu
 
 IN, OUT = 6, 5
 

@@ -2,7 +2,7 @@
 
 For each format, a Qwen3-MoE experts holder (the size of (b)) gets random weights, quantised in the
 format (block FP8: 128x128 blocks, 16x16 at the small size); the kept holder holds the codes
-(:class:`hp_rewrite.runtime.quantized.QuantizedWeight`), the dense one their decoded bf16 values,
+(:class:`hp_rewrite.runtime.compute.quantized.QuantizedWeight`), the dense one their decoded bf16 values,
 frozen. Both run ``moe_forward`` at EP=1 forward and backward (dX only: frozen weights). Reported: the
 largest difference of the output and of dX relative to the dense holder's (the same values in a
 different GEMM grouping: chunks of ``runtime.dequant_chunk_mb``), the median time of each and their
@@ -34,7 +34,7 @@ def _holders(size: dict, device: str, method: str, block: tuple[int, int] | None
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from hp_rewrite.loading.quantized import quantize_fp8, quantize_mxfp4
-    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
     H, inter, E = size["hidden"], size["intermediate"], size["experts"]
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E)

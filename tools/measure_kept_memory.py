@@ -123,7 +123,7 @@ def rank_main(rank: int, world: int, payload: dict) -> dict:
 
     import hp_rewrite
     from hp_rewrite.plan import parse_plan
-    from hp_rewrite.runtime.quantized import QuantizedWeight
+    from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
     torch.set_num_threads(1)
     args = argparse.Namespace(**payload)

@@ -1,7 +1,7 @@
 """Decoding MXFP4 and block-FP8 expert weights on their own device, a few experts at a time.
 
 What the runtime calls when experts are kept in the format the Hub ships them in
-(:mod:`hp_rewrite.runtime.quantized`). The values are transformers' ``Mxfp4Dequantize`` /
+(:mod:`hp_rewrite.runtime.compute.quantized`). The values are transformers' ``Mxfp4Dequantize`` /
 ``Fp8Dequantize`` values bit for bit (decoded in fp32, one rounding to the compute dtype after), and
 nothing is uploaded from the host: the E2M1 table is built on the device from an ``arange``, block
 scales are expanded with integer repeats.

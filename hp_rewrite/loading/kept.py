@@ -3,7 +3,7 @@
 When ``from_pretrained`` is asked to keep a quantised checkpoint quantised (``Mxfp4Config(dequantize=False)``,
 ``FineGrainedFP8Config(dequantize=False)``, or no config where transformers itself would keep it),
 :func:`kept_expert` fills each routed expert weight of an installed holder with a
-:class:`~hp_rewrite.runtime.quantized.QuantizedWeight` holding only this rank's experts' codes and scales
+:class:`~hp_rewrite.runtime.compute.quantized.QuantizedWeight` holding only this rank's experts' codes and scales
 (their bytes as stored, nothing decoded); every other weight is dequantised at load as before.
 
 * MXFP4 (gpt-oss): the stacked ``P_blocks`` / ``P_scales`` rows of the local experts.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.quantized import QuantizedWeight
+from ..runtime.compute.quantized import QuantizedWeight
 from .quantized import DequantizingReader, QuantizedCheckpointError
 
 __all__ = ["kept_expert"]

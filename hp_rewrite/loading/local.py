@@ -55,7 +55,7 @@ from ..hf import (
     quiet_transformers,
 )
 from ..runtime import ExpertParallelGroup
-from ..runtime.quantized import QuantizedWeight
+from ..runtime.compute.quantized import QuantizedWeight
 from .checkpoint_files import (
     CHUNK_BYTES,
     CheckpointKeyError,

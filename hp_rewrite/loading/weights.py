@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..hf import original_format
 from ..runtime import ExpertParallelError
-from ..runtime.quantized import QuantizedWeight
+from ..runtime.compute.quantized import QuantizedWeight
 from .save import _full, _is_distributed, _units, state_dict_name
 
 __all__ = ["checkpoint_weights"]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, ExpertsLayout, expert_modules
+from ..runtime import ExpertParallelError, ExpertsLayout
+from ..runtime.compute import expert_modules
 
 
 @dataclass

@@ -5,11 +5,9 @@ GEMM) -> :func:`experts_and_combine` (all-to-all back, weighted sum) -> :func:`m
 Everything here is typed and takes its settings as arguments; nothing reads the environment.
 """
 
-from . import expert_modules
 from .capacity import CapacityResult, apply_capacity, expert_capacity
-from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
-from .errors import ExpertParallelError
-from .experts import (
+from .compute import expert_modules
+from .compute.experts import (
     ExpertsLayout,
     LocalBatch,
     experts_implementation_of,
@@ -19,6 +17,8 @@ from .experts import (
     resolve_compute,
     shard_experts,
 )
+from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
+from .errors import ExpertParallelError
 from .gradients import (
     GradientSync,
     expert_parameters,

@@ -44,9 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels import npu_permute
-from .batch import LocalBatch
 from .capacity import apply_capacity, count_per_expert
-from .experts import holder_of, local_experts_forward
+from .compute.batch import LocalBatch
+from .compute.experts import holder_of, local_experts_forward
 from .group import tokens
 from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions

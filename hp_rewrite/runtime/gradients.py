@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .compute.experts import holder_of
 from .errors import ExpertParallelError
-from .experts import holder_of
 from .gradnorm import mark_expert_grads
 from .group.groups import ExpertParallelGroup
 

@@ -22,10 +22,8 @@ import torch
 from torch import nn
 
 from .. import kernels
-from . import expert_modules
-from .dispatch import dispatch, experts_and_combine
-from .errors import ExpertParallelError
-from .experts import (
+from .compute import expert_modules
+from .compute.experts import (
     ExpertsLayout,
     LocalBatch,
     experts_implementation_of,
@@ -33,6 +31,8 @@ from .experts import (
     local_experts_forward,
     shard_experts,
 )
+from .dispatch import dispatch, experts_and_combine
+from .errors import ExpertParallelError
 from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..loading.save import state_dict_name
 from ..runtime import ExpertParallelError, has_tuner_layers
+from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.gradients import expert_parameters, rank_local_parameters
-from ..runtime.quantized import QuantizedWeight
 from . import info_of, rewritten_model
 
 

@@ -31,9 +31,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
 from ..runtime import ExpertParallelError
+from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.gradients import rank_local_modules
 from ..runtime.group.groups import EP_DIM, backend_name, check_mesh
-from ..runtime.quantized import QuantizedWeight
 from . import info_of, peft_model_of, rewritten_model
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 ACT_ATTRS = ("act_fn", "activation_fn", "act", "activation", "activation_function")
 _DOWN_NAMES = ("down_proj", "w2", "fc2", "wo", "c_proj", "dense_4h_to_h", "output_linear")

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
-from ..kernels import KernelChoice, KernelProblem, npu, torch_grouped
+from ... import kernels
+from ...kernels import KernelChoice, KernelProblem, npu, torch_grouped
+from ..errors import ExpertParallelError
+from ..overlap.deferred import DeferredGroupedMM, grouped_grad_sink, refuse_hooked
 from . import expert_modules, grouped_op, quantized
 from .batch import LocalBatch, pad_empty_groups
-from .errors import ExpertParallelError
-from .overlap.deferred import DeferredGroupedMM, grouped_grad_sink, refuse_hooked
 from .stacked import StackedParams, stacked_grouped_mm
 
 # Parameter names of the supported layouts: (gate/up fused, up-only, separate gate, up, down).

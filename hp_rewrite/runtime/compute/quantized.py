@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._pytree import tree_map
 
-from ..kernels import fp8_gemm
-from ..kernels.dequant import decode_fp8, decode_mxfp4
-from .errors import ExpertParallelError
+from ...kernels import fp8_gemm
+from ...kernels.dequant import decode_fp8, decode_mxfp4
+from ..errors import ExpertParallelError
 
 __all__ = ["QuantizedProjection", "QuantizedWeight", "projection_of", "quantized_project", "stored_param"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .overlap.deferred import WeightGradQueue
+from ..overlap.deferred import WeightGradQueue
 
 
 @dataclass
