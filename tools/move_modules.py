@@ -6,7 +6,7 @@ For each step: ``git mv`` its modules (writing each new package's ``__init__.py`
 then, in every .py under hp_rewrite/, tests/, tools/ and examples/, resolve each import to an absolute
 module name from the file's old place and write it back pointing at the new one (relative imports stay
 relative, to the file's new package; ``from pkg import moved_module`` is followed too); string literals
-naming a moved module (``"hp_rewrite.runtime.replay:..."`` in lazy maps, importlib calls) and the
+naming a moved module (``"hp_rewrite.runtime.routing.replay:..."`` in lazy maps, importlib calls) and the
 module paths in the docs are rewritten the same way. Imports then get sorted by ruff. What it cannot
 see (attribute access on a package alias, files read by path) the checks after each step catch.
 """

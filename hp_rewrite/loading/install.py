@@ -13,7 +13,7 @@ from ..match.analysis import expert_placement
 from ..match.diagnosis import nothing_to_rewrite
 from ..match.structure import router_path, selection_bias
 from ..runtime import ExchangeRuntime, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
-from ..runtime.routing_load import RouterOf
+from ..runtime.routing.routing_load import RouterOf
 
 
 def _qualname(cls: type) -> str:

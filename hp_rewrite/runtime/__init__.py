@@ -41,7 +41,7 @@ from .install import (
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
 from .overlap.turns import Interleaver, interleave
-from .routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
+from .routing.routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
 from .shared import SHARED_MODES, merge_shared
 from .transport.comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .transport.exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for

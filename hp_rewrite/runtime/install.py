@@ -36,8 +36,8 @@ from .errors import ExpertParallelError
 from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
-from .replay import LayerRoutes
-from .routers import from_dispatch_masks
+from .routing.replay import LayerRoutes
+from .routing.routers import from_dispatch_masks
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ as ``CompletionOutput.routed_experts`` (``enable_return_routed_experts=True``), 
 
 :func:`rollout_routes` places each sequence's routes at its tokens in a padded training batch (content
 checked, so a sample matched to the wrong routes is an error, not a silent misroute) and returns
-:class:`~hp_rewrite.runtime.replay.Routes` for :func:`~hp_rewrite.runtime.replay.replay_routing`, one
+:class:`~hp_rewrite.runtime.routing.replay.Routes` for :func:`~hp_rewrite.runtime.routing.replay.replay_routing`, one
 forward per chunk of rows; positions without routes (padding, the last token) are routed by the router.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError
-from ..runtime.replay import Routes, _layers
+from ..runtime.routing.replay import Routes, _layers
 
 
 @dataclass

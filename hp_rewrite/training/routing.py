@@ -1,6 +1,6 @@
 """Routing statistics and control in training, and the engines' hooks that drive them.
 
-The counts are taken in the forward (:mod:`hp_rewrite.runtime.routing_load`); after every optimizer
+The counts are taken in the forward (:mod:`hp_rewrite.runtime.routing.routing_load`); after every optimizer
 step they are reduced over the world and the routers' selection biases move
 (``routing.bias_update_rate``). Here they also become statistics (:class:`RoutingStats`): per MoE
 layer the tokens each expert was chosen for over the global batch (every rank, every micro-batch),
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..runtime import ExpertParallelError
-from ..runtime.aux_loss import is_wrapped, wrap_forward
-from ..runtime.routing_load import LayerCounts, ModelRouting, router_parameters
+from ..runtime.routing.aux_loss import is_wrapped, wrap_forward
+from ..runtime.routing.routing_load import LayerCounts, ModelRouting, router_parameters
 from . import info_of, rewritten_model
 
 #: beside a prepared Trainer's checkpoints (its ``output_dir``) or in an Accelerator's ``project_dir``

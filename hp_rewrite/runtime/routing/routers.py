@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 WeightsDtype = Literal["fp32", "logits"]
 

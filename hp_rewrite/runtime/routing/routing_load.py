@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.tensor
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 from .replay import inside_backward, inside_checkpoint
 
 

@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 
 def _sums(gate_logits, num_experts: int, top_k: int, attention_mask):
