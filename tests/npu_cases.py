@@ -85,7 +85,7 @@ def permutations_bit_exact(rank: int, world: int, payload: dict) -> dict:
     """The same routed layer with the torch permutations and with the NPU permute ops (expert compute
     eager in both): outputs and every gradient must be bit for bit equal."""
     from hp_rewrite.runtime import RuntimeOptions, build_expert_parallel_group, dispatch, experts_and_combine
-    dispatch_module = importlib.import_module("hp_rewrite.runtime.dispatch")  # the module, not the function
+    dispatch_module = importlib.import_module("hp_rewrite.runtime.pipeline.dispatch")  # the module, not the function
 
     torch_npu = use_standin()
     torch.set_num_threads(1)

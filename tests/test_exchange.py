@@ -45,7 +45,7 @@ def test_the_exchange_is_chosen_once_per_layer() -> None:
 
 
 def test_dispatch_and_combine_have_no_exchange_branches() -> None:
-    tree = ast.parse((RUNTIME / "dispatch.py").read_text())
+    tree = ast.parse((RUNTIME / "pipeline" / "dispatch.py").read_text())
     tests = [ast.unparse(n.test) for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp))]
     assert not [t for t in tests if "dedup" in t or "sent" in t], tests
 

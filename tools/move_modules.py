@@ -96,6 +96,19 @@ def relative(target: str, package: str) -> tuple[int, str]:
     return len(p) - common + 1, ".".join(t[common:])
 
 
+def _exports(package: str) -> set[str]:
+    """The names ``package``'s ``__init__.py`` binds by ``from .module import name`` (not submodules)."""
+    init = ROOT / package.replace(".", "/") / "__init__.py"
+    if not init.exists():
+        return set()
+    names = set()
+    for node in cst.parse_module(init.read_text()).body:
+        for stmt in node.body if isinstance(node, cst.SimpleStatementLine) else ():
+            if isinstance(stmt, cst.ImportFrom) and stmt.module is not None and not isinstance(stmt.names, cst.ImportStar):
+                names |= {dotted(a.asname.name if a.asname else a.name) for a in stmt.names}
+    return names
+
+
 class Rewrite(cst.CSTTransformer):
     """``moves``: old module -> new module; ``names``: package -> {name it no longer exports: the module
     that defines it} (imports of those names from the package go to that module)."""
@@ -135,8 +148,10 @@ class Rewrite(cst.CSTTransformer):
             return self._emit(node, source, level) if level else node
         # ``from pkg import module``: a moved submodule goes with its new package
         groups: dict[str, list[cst.ImportAlias]] = {}
+        exported = _exports(source)
         for alias in node.names:
-            sub = self._moved(f"{source}.{dotted(alias.name)}")
+            # a name the package binds itself (hp_rewrite.runtime.dispatch, the function) is not its submodule
+            sub = None if dotted(alias.name) in exported else self._moved(f"{source}.{dotted(alias.name)}")
             home = self.names.get(source, {}).get(dotted(alias.name))
             groups.setdefault(sub.rpartition(".")[0] if sub else home or source, []).append(alias)
         if len(groups) == 1 and source in groups:

@@ -6,7 +6,7 @@ full mesh) and peers in other nodes (``beta_inter``); EP groups are consecutive 
 of ``ep <= devices_per_node`` stays in one node. A rank sends and receives at once, so an exchange
 takes as long as its larger direction.
 
-Forward follows the runtime's schedule (``hp_rewrite/runtime/dispatch.py``): router, count exchange
+Forward follows the runtime's schedule (``hp_rewrite/runtime/pipeline/dispatch.py``): router, count exchange
 (blocking: one host sync), every chunk's dispatch issued at once on the link, the shared expert
 computed meanwhile (block-level archetypes only), then per chunk the expert GEMMs as soon as its
 rows arrived and its combine queued on the link behind the dispatches, finally the weighted sum.

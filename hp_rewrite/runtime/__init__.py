@@ -5,7 +5,6 @@ GEMM) -> :func:`experts_and_combine` (all-to-all back, weighted sum) -> :func:`m
 Everything here is typed and takes its settings as arguments; nothing reads the environment.
 """
 
-from .capacity import CapacityResult, apply_capacity, expert_capacity
 from .compute import expert_modules
 from .compute.experts import (
     ExpertsLayout,
@@ -17,7 +16,6 @@ from .compute.experts import (
     resolve_compute,
     shard_experts,
 )
-from .dispatch import DispatchStats, RoutedDispatch, dispatch, experts_and_combine, moe_forward, shared_beside
 from .errors import ExpertParallelError
 from .gradients import (
     GradientSync,
@@ -28,7 +26,6 @@ from .gradients import (
     sync_gradients,
 )
 from .group.groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
-from .input_scaled import combine_input_scaled, dispatch_input_scaled
 from .install import (
     ExpertParallelBinding,
     binding_of,
@@ -41,8 +38,18 @@ from .install import (
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
 from .overlap.turns import Interleaver, interleave
+from .pipeline.capacity import CapacityResult, apply_capacity, expert_capacity
+from .pipeline.dispatch import (
+    DispatchStats,
+    RoutedDispatch,
+    dispatch,
+    experts_and_combine,
+    moe_forward,
+    shared_beside,
+)
+from .pipeline.input_scaled import combine_input_scaled, dispatch_input_scaled
+from .pipeline.shared import SHARED_MODES, merge_shared
 from .routing.routers import RouterOutput, call_router_module, sigmoid_group, softmax_topk
-from .shared import SHARED_MODES, merge_shared
 from .transport.comm import PendingExchange, WaitHooks, all_to_all, all_to_all_async
 from .transport.exchange import DedupExchange, PerSlotExchange, TokenExchange, exchange_for
 

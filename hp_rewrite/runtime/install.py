@@ -31,11 +31,11 @@ from .compute.experts import (
     local_experts_forward,
     shard_experts,
 )
-from .dispatch import dispatch, experts_and_combine
 from .errors import ExpertParallelError
 from .group.groups import ExpertParallelGroup, ExpertPlacement
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
+from .pipeline.dispatch import dispatch, experts_and_combine
 from .routing.replay import LayerRoutes
 from .routing.routers import from_dispatch_masks
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 SharedMode = Literal["none", "additive", "gated", "scaled"]
 SHARED_MODES: tuple[str, ...] = ("none", "additive", "gated", "scaled")

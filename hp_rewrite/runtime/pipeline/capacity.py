@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import ExpertParallelError
+from ..errors import ExpertParallelError
 
 
 class CapacityResult(NamedTuple):

@@ -43,17 +43,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kernels import npu_permute
+from ...kernels import npu_permute
+from ..compute.batch import LocalBatch
+from ..compute.experts import holder_of, local_experts_forward
+from ..group import tokens
+from ..group.groups import ExpertParallelGroup, ExpertPlacement
+from ..options import RuntimeOptions
+from ..overlap.context import ExchangeRuntime
+from ..overlap.deferred import WeightGradQueue
+from ..transport import comm
+from ..transport.exchange import ON_RANK, PER_SLOT, Chunk, TokenExchange, exchange_for
 from .capacity import apply_capacity, count_per_expert
-from .compute.batch import LocalBatch
-from .compute.experts import holder_of, local_experts_forward
-from .group import tokens
-from .group.groups import ExpertParallelGroup, ExpertPlacement
-from .options import RuntimeOptions
-from .overlap.context import ExchangeRuntime
-from .overlap.deferred import WeightGradQueue
-from .transport import comm
-from .transport.exchange import ON_RANK, PER_SLOT, Chunk, TokenExchange, exchange_for
 from .zero_experts import split_zero_experts
 
 
