@@ -5,6 +5,15 @@ GEMM) -> :func:`experts_and_combine` (all-to-all back, weighted sum) -> :func:`m
 Everything here is typed and takes its settings as arguments; nothing reads the environment.
 """
 
+from .binding.install import (
+    ExpertParallelBinding,
+    binding_of,
+    exchange_runtimes,
+    expert_parallel_forward,
+    expert_weights,
+    install_expert_parallel,
+    local_rows,
+)
 from .compute import expert_modules
 from .compute.experts import (
     ExpertsLayout,
@@ -26,15 +35,6 @@ from .gradients import (
     sync_gradients,
 )
 from .group.groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
-from .install import (
-    ExpertParallelBinding,
-    binding_of,
-    exchange_runtimes,
-    expert_parallel_forward,
-    expert_weights,
-    install_expert_parallel,
-    local_rows,
-)
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
 from .overlap.turns import Interleaver, interleave

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .binding.install import exchange_runtimes
 from .errors import ExpertParallelError
 from .gradients import (
     rank_local_modules,
@@ -41,7 +42,6 @@ from .gradients import (
     trains_rank_local_only,
 )
 from .group.groups import ExpertParallelGroup
-from .install import exchange_runtimes
 from .overlap.turns import in_interleaved_step
 
 # Where wrappers put the model: PEFT (PeftModel -> LoraModel -> model) and torch.compile

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from .. import kernels
-from .compute import expert_modules
-from .compute.experts import (
+from ... import kernels
+from ..compute import expert_modules
+from ..compute.experts import (
     ExpertsLayout,
     LocalBatch,
     experts_implementation_of,
@@ -31,13 +31,13 @@ from .compute.experts import (
     local_experts_forward,
     shard_experts,
 )
-from .errors import ExpertParallelError
-from .group.groups import ExpertParallelGroup, ExpertPlacement
-from .options import RuntimeOptions
-from .overlap.context import ExchangeRuntime
-from .pipeline.dispatch import dispatch, experts_and_combine
-from .routing.replay import LayerRoutes
-from .routing.routers import from_dispatch_masks
+from ..errors import ExpertParallelError
+from ..group.groups import ExpertParallelGroup, ExpertPlacement
+from ..options import RuntimeOptions
+from ..overlap.context import ExchangeRuntime
+from ..pipeline.dispatch import dispatch, experts_and_combine
+from ..routing.replay import LayerRoutes
+from ..routing.routers import from_dispatch_masks
 
 
 @dataclass(frozen=True)

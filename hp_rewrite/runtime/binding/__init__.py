@@ -1,0 +1,1 @@
+"""A holder made expert-parallel: its binding, installed once."""
