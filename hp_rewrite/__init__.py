@@ -39,7 +39,7 @@ _LAZY = {
     "rollout_routes": "hp_rewrite.training.rollout",
     "sglang_routed_experts": "hp_rewrite.training.rollout",
     "vllm_returns_routes": "hp_rewrite.training.rl",
-    "rank_local_names": "hp_rewrite.runtime.gradients",
+    "rank_local_names": "hp_rewrite.sync.gradients",
     "save_pretrained": "hp_rewrite.loading.save",
     "checkpoint_weights": "hp_rewrite.loading.weights",
     "interleave": "hp_rewrite.runtime.overlap.turns",

@@ -7,7 +7,7 @@ logits and every parameter gradient with the unmodified model run on the whole b
 process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
 over the world and expert gradients over the ranks holding the same experts before comparing. With
 ``tp_size > 1`` the ranks of a TP group share one batch and the dense parts are split over them: the
-gradients are those of :func:`~hp_rewrite.runtime.gradients.sync_gradients` (means over the batches)
+gradients are those of :func:`~hp_rewrite.sync.gradients.sync_gradients` (means over the batches)
 times the number of batches, TP shards gathered.
 """
 
@@ -31,8 +31,8 @@ from .runtime import (
     kernel_choice,
     local_rows,
 )
-from .runtime.gradients import sync_gradients
 from .runtime.transport.exchange import permutations_used
+from .sync.gradients import sync_gradients
 
 FP32_TOL = 1e-5
 

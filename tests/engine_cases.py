@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError, expert_parameters
+from hp_rewrite.runtime import ExpertParallelError
+from hp_rewrite.sync.gradients import expert_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.training_cases import _lm_loss, _worst
 
@@ -94,7 +95,7 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
 def expert_grad_norms(rank: int, world: int, payload: dict) -> dict:
     """The norms of an ExpertGrad are those of the whole tensor over the EP group; everything else
     about it is a plain local tensor."""
-    from hp_rewrite.runtime.gradnorm import mark_expert_grads
+    from hp_rewrite.sync.gradnorm import mark_expert_grads
 
     torch.set_num_threads(1)
     group = dist.new_group(list(range(world)))

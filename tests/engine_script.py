@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
-from hp_rewrite.runtime import expert_parameters  # noqa: E402
+from hp_rewrite.sync.gradients import expert_parameters  # noqa: E402
 from tests.training_cases import count_routing, z_loss_by_hand  # noqa: E402
 
 PER_DEVICE, SEQ = 2, 8

@@ -17,6 +17,7 @@ LAYERS = (
     ("runtime",),
     ("tensor",),
     ("plan",),
+    ("sync",),
     ("codegen",),
     ("match",),
     ("loading",),

@@ -17,7 +17,8 @@ from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_parameters, expert_weights, local_rows, rank_local_parameters
+from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.sync.gradients import expert_parameters, rank_local_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.host_traffic import LiveTemporaries
 
@@ -129,7 +130,7 @@ def auto_patch_world(rank: int, world: int, payload: dict) -> dict:
 def overlapped_sync(rank: int, world: int, payload: dict) -> dict:
     """GradientSync (during backward, small buckets) gives the gradients sync_gradients gives after it,
     also over an accumulation of two micro-batches; a second backward without wait() is refused."""
-    from hp_rewrite.runtime import GradientSync
+    from hp_rewrite.sync.gradients import GradientSync
 
     torch.set_num_threads(1)
     ref = build_tiny_model(tiny_config(payload["model_type"]), seed=0).train()

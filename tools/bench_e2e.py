@@ -371,7 +371,7 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
     # hp_rewrite.gradient_sync: buckets all-reduced during backward. It averages over the world (the
     # contract for a per-rank mean loss); this loss is already divided by both ranks' tokens, so its
     # gradients are half the sum, and the checks scale them by the world size.
-    from hp_rewrite.runtime import GradientSync
+    from hp_rewrite.sync.gradients import GradientSync
 
     return Variant(name, model, ids, labels, denom, overlapped_sync=GradientSync(model, ep)), info
 

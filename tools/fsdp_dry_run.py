@@ -50,7 +50,7 @@ def shard_rank(rank: int, world: int, ep: int, artifact_dir: Path) -> dict:
     from hp_rewrite.hf import meta_model
     from hp_rewrite.loading.patch import rewrite_model
     from hp_rewrite.plan import parse_plan
-    from hp_rewrite.runtime import expert_parameters
+    from hp_rewrite.sync.gradients import expert_parameters
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:

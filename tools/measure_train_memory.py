@@ -70,7 +70,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     import hp_rewrite
     from hp_rewrite.loading.patch import rewrite_model
     from hp_rewrite.plan import parse_plan
-    from hp_rewrite.runtime import expert_parameters
+    from hp_rewrite.sync.gradients import expert_parameters
     from hp_rewrite.tiny import build_tiny_model
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..runtime import ExpertParallelError, holder_of
-from ..runtime.gradients import rank_local_modules
+from ..sync.gradients import rank_local_modules
 from .save import state_dict_name
 
 

@@ -33,11 +33,11 @@ from ..runtime import (
     build_expert_parallel_group,
     exchange_runtimes,
 )
-from ..runtime.engines import EngineGuard, install_engine_guard
-from ..runtime.generation import install_lockstep_generation
 from ..runtime.routing.aux_loss import install_router_losses
 from ..runtime.routing.replay import install_replay
 from ..runtime.routing.routing_load import ModelRouting, freeze_routers, install_routing_loads
+from ..sync.engines import EngineGuard, install_engine_guard
+from ..sync.generation import install_lockstep_generation
 from .rank0 import rank0_first
 from .world import ensure_world
 

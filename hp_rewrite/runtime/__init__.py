@@ -26,14 +26,6 @@ from .compute.experts import (
     shard_experts,
 )
 from .errors import ExpertParallelError
-from .gradients import (
-    GradientSync,
-    expert_parameters,
-    has_tuner_layers,
-    rank_local_names,
-    rank_local_parameters,
-    sync_gradients,
-)
 from .group.groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
 from .options import RuntimeOptions
 from .overlap.context import ExchangeRuntime
@@ -101,12 +93,6 @@ __all__ = [
     "shard_experts",
     "sigmoid_group",
     "softmax_topk",
-    "sync_gradients",
-    "GradientSync",
     "expert_modules",
-    "expert_parameters",
-    "has_tuner_layers",
     "holder_of",
-    "rank_local_names",
-    "rank_local_parameters",
 ]

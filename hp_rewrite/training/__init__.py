@@ -1,7 +1,7 @@
 """Training a rewritten model: gradient synchronisation for hand-written loops, and the engines.
 
 A model rewritten by ``auto_patch`` / ``from_pretrained`` is exact inside ``DistributedDataParallel``
-as built by the user, transformers ``Trainer`` or accelerate (see :mod:`hp_rewrite.runtime.engines`).
+as built by the user, transformers ``Trainer`` or accelerate (see :mod:`hp_rewrite.sync.engines`).
 Without DDP, :func:`sync_gradients` (after backward) or :func:`gradient_sync` (during it) apply the
 same contract. :func:`prepare_trainer` makes a ``Trainer`` save and resume the rank-local experts.
 See docs/training.md.
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, gradients, has_tuner_layers
+from ..runtime import ExpertParallelError
+from ..sync import gradients
+from ..sync.gradients import has_tuner_layers
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """Apply the EP x DP gradient contract (see :mod:`hp_rewrite.runtime.gradients`) to a model
+    """Apply the EP x DP gradient contract (see :mod:`hp_rewrite.sync.gradients`) to a model
     rewritten by ``auto_patch`` / ``from_pretrained`` (it knows its EP group). Not on top of DDP."""
     info = info_of(model, "sync_gradients")
     _refuse_on_fsdp(info, "sync_gradients")
@@ -80,7 +82,7 @@ def info_of(model: nn.Module, what: str):
 
 def gradient_sync(model: nn.Module) -> gradients.GradientSync:
     """The same contract as :func:`sync_gradients`, overlapped with backward (see
-    :class:`hp_rewrite.runtime.gradients.GradientSync`): create once, call ``.wait()`` after every
+    :class:`hp_rewrite.sync.gradients.GradientSync`): create once, call ``.wait()`` after every
     ``backward()``."""
     info = info_of(model, "gradient_sync")
     _refuse_on_fsdp(info, "gradient_sync")

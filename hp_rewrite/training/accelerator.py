@@ -1,6 +1,6 @@
 """accelerate's ``Accelerator`` around an expert-parallel model, DDP or FSDP2.
 
-Its DDP needs nothing for training (the engine guard, :mod:`hp_rewrite.runtime.engines`). Its FSDP2
+Its DDP needs nothing for training (the engine guard, :mod:`hp_rewrite.sync.engines`). Its FSDP2
 plugin would shard every rank's own experts over the whole world as if they were one tensor, and
 its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` changes, on that one
 ``Accelerator`` object:
@@ -40,7 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from ..loading.adapters import adapter_tensors
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime import ExpertParallelError
-from ..runtime.gradients import trains_rank_local_only
+from ..sync.gradients import trains_rank_local_only
 from . import info_of, peft_model_of, refuse_unsaved_trainables, rewritten_model
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint

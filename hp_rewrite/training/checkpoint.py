@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..loading.save import state_dict_name
-from ..runtime import ExpertParallelError, has_tuner_layers
+from ..runtime import ExpertParallelError
 from ..runtime.compute.quantized import QuantizedWeight
-from ..runtime.gradients import expert_parameters, rank_local_parameters
+from ..sync.gradients import expert_parameters, has_tuner_layers, rank_local_parameters
 from . import info_of, rewritten_model
 
 

@@ -4,7 +4,7 @@ over the data-parallel mesh, so non-expert weights are no longer replicated on e
 A rank's experts are the same tensor only on the ranks holding the same experts (the expert-replica
 group: world / ep ranks), so they are sharded there, as torchtitan, VeOmni and Megatron do; FSDP2
 over the whole world would treat different experts as shards of one tensor. Gradient divisors follow
-the contract of :mod:`hp_rewrite.runtime.gradients`: an expert gradient already sums its EP group's
+the contract of :mod:`hp_rewrite.sync.gradients`: an expert gradient already sums its EP group's
 tokens, so it is summed over the replicas and divided by the *world* size
 (``set_gradient_divide_factor``); the other weights are averaged over the world, FSDP's default.
 
@@ -32,8 +32,8 @@ from torch.distributed.tensor import Shard
 
 from ..runtime import ExpertParallelError
 from ..runtime.compute.quantized import QuantizedWeight
-from ..runtime.gradients import rank_local_modules
 from ..runtime.group.groups import EP_DIM, backend_name, check_mesh
+from ..sync.gradients import rank_local_modules
 from . import info_of, peft_model_of, rewritten_model
 
 
@@ -176,7 +176,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def total_grad_norm(parameters, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of every gradient, each parameter counted once over the world: plain tensors and
-    :class:`~hp_rewrite.runtime.gradnorm.ExpertGrad` as they are, DTensors over their mesh, and the
+    :class:`~hp_rewrite.sync.gradnorm.ExpertGrad` as they are, DTensors over their mesh, and the
     expert DTensors of :func:`fully_shard` over their EP group too."""
     from torch.distributed.tensor import DTensor
 

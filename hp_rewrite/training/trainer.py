@@ -2,7 +2,7 @@
 expert-parallel model.
 
 Training itself needs nothing: Trainer wraps the model in DDP through accelerate, and the model's
-engine guard makes DDP and ``clip_grad_norm_`` exact (:mod:`hp_rewrite.runtime.engines`). Saving and
+engine guard makes DDP and ``clip_grad_norm_`` exact (:mod:`hp_rewrite.sync.engines`). Saving and
 resuming do, because Trainer writes from rank 0 alone and each rank holds different experts:
 
 * ``save_model`` (also called for every checkpoint) becomes collective: the experts are gathered
@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 from ..loading.adapters import has_expert_adapters
 from ..loading.save import save_pretrained
 from ..runtime import ExpertParallelError
-from ..runtime.gradients import rank_local_parameters, trains_rank_local_only
+from ..sync.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically

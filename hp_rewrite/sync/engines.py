@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .binding.install import exchange_runtimes
-from .errors import ExpertParallelError
+from ..runtime.binding.install import exchange_runtimes
+from ..runtime.errors import ExpertParallelError
+from ..runtime.group.groups import ExpertParallelGroup
+from ..runtime.overlap.turns import in_interleaved_step
 from .gradients import (
     rank_local_modules,
     rank_local_names,
@@ -41,8 +43,6 @@ from .gradients import (
     reduce_rank_local_grads,
     trains_rank_local_only,
 )
-from .group.groups import ExpertParallelGroup
-from .overlap.turns import in_interleaved_step
 
 # Where wrappers put the model: PEFT (PeftModel -> LoraModel -> model) and torch.compile
 # (OptimizedModule._orig_mod). A DDP built around a wrapper reads the ignore list through the

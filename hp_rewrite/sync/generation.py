@@ -19,7 +19,7 @@ import types
 
 from torch import nn
 
-from .errors import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 
 __all__ = ["install_lockstep_generation"]
 

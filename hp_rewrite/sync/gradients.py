@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .compute.experts import holder_of
-from .errors import ExpertParallelError
+from ..runtime.compute.experts import holder_of
+from ..runtime.errors import ExpertParallelError
+from ..runtime.group.groups import ExpertParallelGroup
 from .gradnorm import mark_expert_grads
-from .group.groups import ExpertParallelGroup
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise a collective, small enough to overlap
 
