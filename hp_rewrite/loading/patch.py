@@ -54,7 +54,7 @@ class RewriteInfo:
     artifact_dir: Path
     patched: list[str]
     load_report: dict | None = None  # set when only local experts were read (loading.local)
-    engine: EngineGuard | None = None  # DDP contract and refusals (runtime.engines)
+    engine: EngineGuard | None = None  # DDP contract and refusals (sync.engines)
     fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
     runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
     tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
@@ -119,7 +119,7 @@ def refuse_wrapped(model: nn.Module) -> None:
 
 
 def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
-    """Mark a rewritten model: ``model.hp_rewrite``, the engine guard (runtime.engines) and a
+    """Mark a rewritten model: ``model.hp_rewrite``, the engine guard (sync.engines) and a
     save_pretrained that gathers the experts."""
     from .adapters import install_adapter_state_hooks
     from .save import load_full_checkpoints

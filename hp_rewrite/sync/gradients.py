@@ -233,7 +233,7 @@ class GradientSync:
     def __init__(self, model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES,
                  guard=None) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
-        self._guard = guard  # runtime.engines.EngineGuard: refuses to reduce again what DDP reduced
+        self._guard = guard  # sync.engines.EngineGuard: refuses to reduce again what DDP reduced
         self.buckets: list[_Bucket] = []
         self.overlapped = 0  # buckets of the last step whose all-reduce started during backward
         self._next = 0  # the first bucket not started yet

@@ -50,7 +50,7 @@ class ExpertParallelBinding:
     # the deferred-gradient queue and turn hook its exchanges get (the model's, shared by its layers)
     runtime: ExchangeRuntime = field(default_factory=ExchangeRuntime, compare=False, repr=False)
     zero_experts: int = 0  # identity experts after the routed ones: computed locally, never dispatched
-    # what routing replay keeps and hands out for this layer (runtime.replay)
+    # what routing replay keeps and hands out for this layer (runtime.routing.replay)
     routes: LayerRoutes = field(default_factory=LayerRoutes, compare=False, repr=False)
 
     @property

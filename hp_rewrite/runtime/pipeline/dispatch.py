@@ -166,7 +166,7 @@ def dispatch(
         num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
         zero_experts = binding.zero_experts
         runtime = runtime if runtime is not None else binding.runtime
-        binding.routes.note(indices)  # kept for a recomputation or a recording (runtime.replay)
+        binding.routes.note(indices)  # kept for a recomputation or a recording (runtime.routing.replay)
     if num_experts is None or ep is None or options is None:
         raise TypeError("dispatch needs binding=, or num_experts=, ep= and options=")
     # per slot or deduplicated, torch or NPU permutations: decided here once, not along the way
