@@ -117,3 +117,30 @@ def test_every_package_ships_in_the_wheel() -> None:
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+#: the runtime's rooms, bottom to top (docs/architecture.md); a room imports only from rooms below it (its floor:
+#: errors, options), never from the runtime's face (hp_rewrite.runtime itself, which re-exports from them)
+ROOMS = (("errors",), ("options",), ("group", "transport", "routing"), ("overlap",), ("compute",), ("pipeline",),
+         ("binding",))
+ROOM_OF = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "runtime" else None
+
+
+def test_runtime_rooms_import_downward() -> None:
+    rooms = {_room(m) for m in _modules()} - {None}
+    assert rooms <= set(ROOM_OF), f"add {sorted(rooms - set(ROOM_OF))} to ROOMS (and docs/architecture.md)"
+    wrong = []
+    for name, path in _modules().items():
+        src = _room(name)
+        if src is None:
+            continue
+        for target in _imports(name, path):
+            dst = _room(target)
+            if target == "hp_rewrite.runtime" or (dst is not None and dst != src and ROOM_OF[dst] >= ROOM_OF[src]):
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, "runtime imports that run up or across its rooms:\n" + "\n".join(sorted(wrong))
