@@ -70,7 +70,7 @@ def test_save_into_an_existing_directory_keeps_what_is_not_weights(tmp_path: Pat
 
     original = make_tiny("qwen3_moe", tmp_path / "original")
     model = hp_rewrite.from_pretrained(original, plan=Path(__file__).parent.parent / "plans" / "auto-ep2.yaml",
-                                       artifact_dir=tmp_path / "gen")
+                                       artifact_dir=tmp_path / "gen", single_process=True)  # no world: EP 1
     out = tmp_path / "run"
     (out / "checkpoint-5").mkdir(parents=True)
     (out / "checkpoint-5" / "trainer_state.json").write_text("{}")

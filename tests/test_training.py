@@ -157,7 +157,7 @@ def test_auto_patch_in_a_world_of_two(tiny_dir: Path, tmp_path: Path) -> None:
 
 def test_from_pretrained_one_call(tiny_dir: Path, tmp_path: Path) -> None:
     model = hp_rewrite.from_pretrained(tiny_dir, plan=hp_rewrite.loading.patch.resolve_plan(
-        Path(__file__).parent.parent / "plans" / "auto-ep4.yaml"), artifact_dir=tmp_path)
+        Path(__file__).parent.parent / "plans" / "auto-ep4.yaml"), artifact_dir=tmp_path, single_process=True)
     assert model.hp_rewrite.ep.size == 1 and os.path.isdir(model.hp_rewrite.artifact_dir)
 
 
@@ -181,7 +181,7 @@ def test_gradient_sync_single_process_and_errors(tiny_dir: Path, tmp_path: Path)
     with pytest.raises(ValueError, match="not rewritten by hp-rewrite"):
         hp_rewrite.gradient_sync(plain)
     model = hp_rewrite.from_pretrained(tiny_dir, plan=Path(__file__).parent.parent / "plans" / "auto-ep2.yaml",
-                                       artifact_dir=tmp_path, attn_implementation="eager")
+                                       artifact_dir=tmp_path, attn_implementation="eager", single_process=True)
     sync = hp_rewrite.gradient_sync(model)  # no world: nothing to reduce, gradients stay as they are
     ids = torch.randint(0, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
