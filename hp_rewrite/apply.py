@@ -87,7 +87,7 @@ def check_tensor_parallel(plan, config) -> None:
 def _experts_by_rank(plan, s) -> list[list[int]] | None:
     """Each EP rank's experts under the plan's placement (None when the placement is contiguous)."""
     from .match.analysis import expert_placement
-    from .runtime import ExpertParallelGroup
+    from .runtime.group.groups import ExpertParallelGroup
 
     if plan.placement.strategy == "contiguous" or s.num_experts % plan.ep_size:
         return None

@@ -25,12 +25,8 @@ from .hf import pretrained_model
 from .kernels import npu_permute
 from .loading.patch import load_pretrained
 from .plan import Plan
-from .runtime import (
-    expert_weights,
-    experts_implementation_of,
-    kernel_choice,
-    local_rows,
-)
+from .runtime.binding.install import expert_weights, local_rows
+from .runtime.compute.experts import experts_implementation_of, kernel_choice
 from .runtime.transport.exchange import permutations_used
 from .sync.gradients import sync_gradients
 

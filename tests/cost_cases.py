@@ -20,7 +20,9 @@ from hp_rewrite.cost.flopcount import count_flops
 from hp_rewrite.match.structure import find_blocks
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.runtime.binding.install import install_expert_parallel
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.runtime.options import RuntimeOptions
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
@@ -89,12 +91,12 @@ def uniform_dedup_rows(rank: int, world: int, tokens: int, num_experts: int, top
     ep = build_expert_parallel_group(world)
     config = Qwen3MoeConfig(hidden_size=4, moe_intermediate_size=4, num_experts=num_experts, num_experts_per_tok=top_k)
     experts = Qwen3MoeExperts(config)
-    hp.install_expert_parallel(experts, num_experts=num_experts, ep=ep, options=hp.RuntimeOptions(dedup=True))
+    install_expert_parallel(experts, num_experts=num_experts, ep=ep, options=RuntimeOptions(dedup=True))
     gen = torch.Generator().manual_seed(rank)
     indices = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
     weights = torch.full((tokens, top_k), 1.0 / top_k)
     state = hp.dispatch(torch.randn(tokens, 4, generator=gen), indices, weights, num_experts=num_experts, ep=ep,
-                        options=hp.RuntimeOptions(dedup=True))
+                        options=RuntimeOptions(dedup=True))
     hp.experts_and_combine(state, experts)
     return {"rows_sent": state.stats.rows_sent, "rows_received": state.stats.rows_received}
 

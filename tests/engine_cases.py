@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.sync.gradients import expert_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.training_cases import _lm_loss, _worst
@@ -357,7 +357,7 @@ def _ended_at_different_steps(rank: int, ref, model) -> dict:
 
 def _lockstep_refusals(model) -> dict:
     """What would leave generate's loop early on one rank is refused by name."""
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
 
     out = {}
     for name, call in {"synced_false": lambda: model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=1,

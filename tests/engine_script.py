@@ -332,7 +332,7 @@ def case_accelerate_lora_experts(model_dir, out):
     from peft import LoraConfig, get_peft_model
     from torch.nn.parallel import DistributedDataParallel
 
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
 
     world, steps, accum = dist.get_world_size(), 2, 2
     config = dict(r=2, lora_alpha=4, init_lora_weights=False, target_parameters=["mlp.experts.gate_up_proj"])
@@ -431,7 +431,7 @@ def _word_tokenizer(vocab: int):
 
 def _refusal(trainer) -> str:
     """What ``prepare_trainer`` refuses ``trainer`` with ("" when it accepts it)."""
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
 
     try:
         hp_rewrite.prepare_trainer(trainer)
@@ -564,7 +564,7 @@ def case_grpo_vllm(model_dir, out):
     from transformers import AutoConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
     from tests.vllm_standin import vllm_name_problems, vllm_standin
 
     rank = dist.get_rank()
@@ -1062,7 +1062,7 @@ def case_trainer_unprepared(model_dir, out):
     """A Trainer not passed to prepare_trainer saves from rank 0 alone: refused there, clearly."""
     from transformers import Trainer, TrainingArguments
 
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
 
     model = _ep_model(model_dir, out / "art")
     args = TrainingArguments(output_dir=str(out / "unprepared"), use_cpu=True, ddp_backend="gloo", report_to=[])

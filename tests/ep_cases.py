@@ -19,23 +19,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_rewrite.runtime import (
-    ExpertPlacement,
-    ExpertsLayout,
-    RuntimeOptions,
-    apply_capacity,
-    build_expert_parallel_group,
     call_router_module,
     dispatch,
     experts_and_combine,
-    install_expert_parallel,
     merge_shared,
-    moe_forward,
     shared_beside,
     sigmoid_group,
     softmax_topk,
 )
+from hp_rewrite.runtime.binding.install import install_expert_parallel
 from hp_rewrite.runtime.compute import experts as experts_module
-from hp_rewrite.runtime.group.groups import backend_name, world_timeout
+from hp_rewrite.runtime.compute.experts import ExpertsLayout
+from hp_rewrite.runtime.group.groups import (
+    ExpertPlacement,
+    backend_name,
+    build_expert_parallel_group,
+    world_timeout,
+)
+from hp_rewrite.runtime.options import RuntimeOptions
+from hp_rewrite.runtime.pipeline.capacity import apply_capacity
+from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
 H, I, E = 32, 16, 8  # noqa: E741 - the usual MoE size names
 FP32_TOL = 1e-5

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
 from hp_rewrite.verify import gradient_errors
 
 VOCAB, HIDDEN, EXPERTS, WIDTH, TOP_K, LAYERS = 32, 16, 4, 8, 2, 2

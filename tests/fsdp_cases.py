@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import hp_rewrite
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.engine_cases import _error, _optimizer
 from tests.training_cases import _lm_loss

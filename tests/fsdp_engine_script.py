@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
-from hp_rewrite.runtime import expert_weights, local_rows  # noqa: E402
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows  # noqa: E402
 from tests.engine_cases import _error  # noqa: E402
 from tests.engine_script import (  # noqa: E402
     PER_DEVICE,

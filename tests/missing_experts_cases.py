@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from hp_rewrite import auto_patch
 from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 #: the families, their causal-LM class, their experts' width field and how their checkpoints store experts

@@ -13,7 +13,7 @@ import torch
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 #: training with every dropout and LayerDrop at 0 (both refused in training), no router

@@ -31,7 +31,8 @@ def use_standin():
 
 def compare(case: dict, out_dir: str, rank: int, world: int) -> dict:
     from hp_rewrite.rewrite import generate, install
-    from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group, exchange_runtimes
+    from hp_rewrite.runtime.binding.install import exchange_runtimes
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
     from hp_rewrite.tiny import build_tiny_model, tiny_config
     from hp_rewrite.verify import gradient_errors
     from tests.rewrite_cases import _rel, plan_for
@@ -84,7 +85,9 @@ class _Experts(torch.nn.Module):
 def permutations_bit_exact(rank: int, world: int, payload: dict) -> dict:
     """The same routed layer with the torch permutations and with the NPU permute ops (expert compute
     eager in both): outputs and every gradient must be bit for bit equal."""
-    from hp_rewrite.runtime import RuntimeOptions, build_expert_parallel_group, dispatch, experts_and_combine
+    from hp_rewrite.runtime import dispatch, experts_and_combine
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
+    from hp_rewrite.runtime.options import RuntimeOptions
     dispatch_module = importlib.import_module("hp_rewrite.runtime.pipeline.dispatch")  # the module, not the function
 
     torch_npu = use_standin()

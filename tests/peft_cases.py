@@ -27,7 +27,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def expert_slicers(peft_ep, peft_ref) -> dict:
     """Parameter name of an adapter on the EP model's experts -> full tensor (``peft_ref``'s) -> this
     rank's part (the adapters of its local experts)."""
-    from hp_rewrite.runtime import holder_of
+    from hp_rewrite.runtime.compute.experts import holder_of
 
     ref_modules = dict(peft_ref.named_modules())
     slicers = {}

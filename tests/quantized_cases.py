@@ -80,7 +80,7 @@ def mismatches(model, full) -> list[str]:
 def step(full, ours, rank: int, world: int) -> dict:
     """One training forward and backward of this rank's share against the full model on the whole batch."""
     from hp_rewrite import sync_gradients
-    from hp_rewrite.runtime import expert_weights, local_rows
+    from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 
     for m in (full, ours):
         m.train()
@@ -107,7 +107,7 @@ def world_case(rank: int, world: int, payload: dict) -> dict:
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     from hp_rewrite.loading.local import load_expert_parallel
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
 
     torch.set_num_threads(1)
     art = Path(payload["artifacts"])
@@ -210,7 +210,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
-    from hp_rewrite.runtime import holder_of
+    from hp_rewrite.runtime.compute.experts import holder_of
     from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup, build_expert_parallel_group
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from hp_rewrite.verify import gradient_errors
 from tests.host_traffic import HostTraffic

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from hp_rewrite.runtime import ExpertParallelError, apply_capacity, expert_capacity
+from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.pipeline.capacity import apply_capacity, expert_capacity
 
 
 def reference_capacity(

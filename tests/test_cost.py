@@ -27,7 +27,7 @@ from hp_rewrite.cost.timing import exchange_time, forward_schedule, layer_time
 from hp_rewrite.launch import run_world
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, make_tiny, tiny_config
 from tests.cost_cases import BATCH, FAMILIES, SEQ, measure
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hp_rewrite.runtime import ExpertParallelError
 from hp_rewrite.runtime.compute.experts import LocalBatch
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.overlap.deferred import DeferredGroupedMM, WeightGradQueue, refuse_hooked
 
 COUNTS = [3, 0, 5, 2]  # an expert without rows keeps a zero gradient

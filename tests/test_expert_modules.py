@@ -12,7 +12,7 @@ from torch import nn
 
 from hp_rewrite.match.archetype import choose_archetype
 from hp_rewrite.match.structure import find_blocks, find_experts_holders
-from hp_rewrite.runtime import ExpertsLayout
+from hp_rewrite.runtime.compute.experts import ExpertsLayout
 
 H, W, E = 16, 12, 4  # hidden, expert width, experts
 
@@ -99,12 +99,10 @@ def test_a_list_of_dense_mlps_without_a_router_is_not_an_experts_holder() -> Non
 
 def test_deferred_expert_gradients_are_refused_for_expert_modules() -> None:
     """runtime.defer_expert_grads cannot defer the gradients of stacked weights: an error, not a no-op."""
-    from hp_rewrite.runtime import (
-        ExpertParallelError,
-        ExpertParallelGroup,
-        RuntimeOptions,
-        install_expert_parallel,
-    )
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.errors import ExpertParallelError
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+    from hp_rewrite.runtime.options import RuntimeOptions
 
     block = Block(GeluGated)
     with pytest.raises(ExpertParallelError, match="defer_expert_grads: ModuleList keeps its experts as modules"):
@@ -119,7 +117,10 @@ def test_expert_modules_run_grouped_without_a_stacked_copy_kept(expert_cls) -> N
     output and every gradient are the unmodified block's."""
     import copy
 
-    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, moe_forward
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+    from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
     torch.manual_seed(0)
     ref = Block(expert_cls)

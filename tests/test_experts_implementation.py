@@ -17,8 +17,8 @@ import hp_rewrite
 from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.hf.shrink import tiny_config
 from hp_rewrite.plan import Plan
-from hp_rewrite.runtime import ExpertParallelError
 from hp_rewrite.runtime.compute import experts
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import build_tiny_model
 
 TOL = 1e-5

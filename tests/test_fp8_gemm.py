@@ -17,8 +17,8 @@ from hp_rewrite.kernels import fp8_gemm
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.loading.quantized import dequantize_fp8, quantize_fp8, quantize_mxfp4
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError
 from hp_rewrite.runtime.compute.quantized import QuantizedWeight
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 FORWARD_TOL = {torch.float32: 3e-2, torch.bfloat16: 4e-2}  # docs/checkpoints.md gives the measured errors
@@ -177,7 +177,10 @@ def test_fp8_gemm_is_the_calls_option(monkeypatch) -> None:
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, moe_forward
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+    from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
     holder = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4))
     for name in ("gate_up_proj", "down_proj"):

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from hp_rewrite.kernels import KernelProblem, choose
-from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+from hp_rewrite.runtime.binding.install import install_expert_parallel
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+from hp_rewrite.runtime.options import RuntimeOptions
 from hp_rewrite.runtime.transport.rows import copy_table, fixed_order_sum, gather_rows, pack_rows, unpack_rows
 from tests.ep_cases import BF16_TOL, E, H, _rel, build_block, ep_forward, reference_forward
 
@@ -114,13 +116,10 @@ def test_packed_side_values_travel_bit_for_bit(hidden_dtype, weights_dtype) -> N
 def test_padded_groups_give_the_same_rows_and_gradients(known: bool) -> None:
     """Empty expert groups padded with zero rows (every group at ep 1 on CUDA, the empty ones where the
     host has the counts): the real rows' outputs and every gradient as without padding."""
-    from hp_rewrite.runtime import (
-        ExpertParallelGroup,
-        LocalBatch,
-        install_expert_parallel,
-        local_experts_forward,
-    )
-    from hp_rewrite.runtime.compute.batch import pad_empty_groups
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.compute.batch import LocalBatch, pad_empty_groups
+    from hp_rewrite.runtime.compute.experts import local_experts_forward
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 
     blk = build_block("qwen3")
     install_expert_parallel(blk.experts, num_experts=E, ep=ExpertParallelGroup.single(), options=RuntimeOptions())

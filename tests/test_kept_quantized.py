@@ -17,8 +17,8 @@ from hp_rewrite.kernels.dequant import decode_fp8, decode_mxfp4
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.loading.quantized import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError
 from hp_rewrite.runtime.compute.quantized import QuantizedWeight
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 TOL = 1e-5

@@ -144,3 +144,29 @@ def test_runtime_rooms_import_downward() -> None:
             if target == "hp_rewrite.runtime" or (dst is not None and dst != src and ROOM_OF[dst] >= ROOM_OF[src]):
                 wrong.append(f"{name} -> {target}")
     assert not wrong, "runtime imports that run up or across its rooms:\n" + "\n".join(sorted(wrong))
+
+
+def test_runtime_face_is_what_generated_code_calls() -> None:
+    """hp_rewrite.runtime exports exactly the ``hp.<name>`` calls of the archetypes and the goldens (every
+    other name is imported from the room that defines it), in a short __init__.py."""
+    import re
+
+    import hp_rewrite.runtime as face
+
+    root = PACKAGE.parent
+    sources = [*sorted((root / "archetypes").glob("*.py")), *sorted((root / "tests" / "golden").glob("*.golden"))]
+    called = {m for path in sources for m in re.findall(r"\bhp\.([A-Za-z_]\w*)\(", path.read_text())}
+    assert called and set(face.__all__) == called, (sorted(set(face.__all__) - called), sorted(called - set(face.__all__)))
+    public = {n for n in vars(face) if not n.startswith("_") and not isinstance(getattr(face, n), type(face))}
+    assert public == called, sorted(public - called)
+    assert len(face.__all__) <= 15 and len((PACKAGE / "runtime" / "__init__.py").read_text().splitlines()) <= 40
+
+
+def test_importing_the_runtime_leaves_the_compiler_unloaded() -> None:
+    """torch._dynamo costs every CLI call 1.4 s at import; the runtime reaches it only when compiling."""
+    import subprocess
+    import sys
+
+    probe = "import sys, hp_rewrite.runtime, hp_rewrite.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -33,7 +33,7 @@ import torch
 from hp_rewrite.launch import run_world
 from hp_rewrite.loading.local import CheckpointKeyError, load_expert_parallel
 from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
-from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe", "qwen3_tied_sharded", "dbrx", "jetmoe"]
@@ -207,7 +207,7 @@ def _balanced_plan(model, ep_size: int):
 
 def ep2_rank(rank: int, world: int, payload: dict) -> dict:
     """Per family: load with only the local experts, compare with the full model (see module doc)."""
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
 
     torch.set_num_threads(1)
     ep = build_expert_parallel_group(world)
@@ -309,7 +309,7 @@ def _reset_peak() -> bool:
 
 def memory_rank(rank: int, world: int, payload: dict) -> dict:
     """Peak RSS of one ``load_expert_parallel`` call over the RSS right before it (bytes)."""
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
 
     torch.set_num_threads(1)
     ep = build_expert_parallel_group(world)

@@ -16,7 +16,7 @@ import torch
 from hp_rewrite.launch import run_world
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import Plan
-from hp_rewrite.runtime import ExpertParallelError
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import build_tiny_model
 
 from .module_experts_cases import NO_DROPOUT, config, step

@@ -71,7 +71,7 @@ def test_an_artifact_of_another_model_installs_nothing_and_is_refused(dirs, tmp_
     """The cached path: an artifact whose classes the model does not have patches nothing, so it raises."""
     from hp_rewrite.loading.install import install
     from hp_rewrite.match.generate import ensure_artifact
-    from hp_rewrite.runtime import ExpertParallelGroup
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 
     moe = transformers.AutoModelForCausalLM.from_pretrained(dirs["qwen3_moe"])
     artifact = ensure_artifact(moe, EP1, moe.config, tmp_path / "art")

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from hp_rewrite import kernels
 from hp_rewrite.kernels import KernelProblem, choose, npu
 from hp_rewrite.launch import run_world
-from hp_rewrite.runtime import ExpertParallelError, resolve_compute
+from hp_rewrite.runtime.compute.experts import resolve_compute
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.overlap.deferred import WeightGradQueue, grouped_grad_sink
 from hp_rewrite.tiny import make_tiny
 from tests.npu_cases import STANDIN

@@ -10,14 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_rewrite.runtime import (
-    ExpertParallelError,
-    ExpertParallelGroup,
-    ExpertPlacement,
-    ExpertsLayout,
-    RuntimeOptions,
-    build_expert_parallel_group,
-)
+from hp_rewrite.runtime.compute.experts import ExpertsLayout
+from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup, ExpertPlacement, build_expert_parallel_group
+from hp_rewrite.runtime.options import RuntimeOptions
 
 
 def test_defaults_are_valid() -> None:

@@ -181,7 +181,7 @@ def test_matches_exact_class_name() -> None:
 
 
 def test_to_options_round_trip() -> None:
-    from hp_rewrite.runtime import RuntimeOptions
+    from hp_rewrite.runtime.options import RuntimeOptions
 
     plan = parse_plan(
         HEAD

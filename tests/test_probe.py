@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from hp_rewrite.match import archetype as archetype_module
 from hp_rewrite.match import choose_archetype, experts_layout, find_blocks
 from hp_rewrite.match.archetype import PROBE_TOL, narrow_probe
-from hp_rewrite.runtime import ExpertsLayout
+from hp_rewrite.runtime.compute.experts import ExpertsLayout
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests import ep_cases
 

@@ -25,7 +25,7 @@ from hp_rewrite.loading.quantized import (
     quantize_mxfp4,
 )
 from hp_rewrite.plan import DEFAULT_PLAN
-from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 
 from .quantized_cases import CHECKPOINTS, file_bytes, make_checkpoint, mismatches, plain
 

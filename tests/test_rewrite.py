@@ -16,7 +16,8 @@ from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
 from hp_rewrite.errors import SelectionError
 from hp_rewrite.launch import run_world
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelError, ExpertParallelGroup
+from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.rewrite_cases import REQUIRED_FAMILIES, TOL, compare, plan_for
 

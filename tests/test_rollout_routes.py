@@ -15,7 +15,7 @@ import torch
 import hp_rewrite
 from hp_rewrite import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.routing.replay import replay_disagreement
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from hp_rewrite.training.rollout import (

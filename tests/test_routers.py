@@ -19,13 +19,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from hp_rewrite.runtime import (
-    ExpertParallelError,
-    RouterOutput,
-    call_router_module,
-    sigmoid_group,
-    softmax_topk,
-)
+from hp_rewrite.runtime import call_router_module, sigmoid_group, softmax_topk
+from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.routing.routers import RouterOutput
 
 HIDDEN = 32
 TOKENS = 48

@@ -14,7 +14,8 @@ import torch
 import hp_rewrite
 from hp_rewrite import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import ExpertParallelError, expert_capacity
+from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.pipeline.capacity import expert_capacity
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.training_cases import count_routing
 

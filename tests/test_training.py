@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 
 import hp_rewrite
 from hp_rewrite.launch import run_world
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import make_tiny
 from tests.training_cases import TOL
 
@@ -113,7 +114,7 @@ def test_parallel_plan_without_a_launcher_is_refused(how: str, tiny_dir: Path, t
         monkeypatch.delenv(variable, raising=False)
     plans = Path(__file__).parent.parent / "plans"
     plan = plans / ("auto-ep4.yaml" if how == "ep4" else "auto-ep2.yaml")
-    with pytest.raises(hp_rewrite.runtime.ExpertParallelError) as refused:
+    with pytest.raises(ExpertParallelError) as refused:
         if how == "auto_patch":
             with hp_rewrite.auto_patch(plan, artifact_dir=tmp_path / "art"):
                 AutoModelForCausalLM.from_pretrained(tiny_dir)
@@ -143,7 +144,7 @@ def test_load_logs_what_each_rank_holds(tiny_dir: Path, tmp_path: Path, capsys) 
 
 def test_auto_patch_without_plan_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.delenv("HP_REWRITE_PLAN", raising=False)
-    with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match="HP_REWRITE_PLAN"):
+    with pytest.raises(ExpertParallelError, match="HP_REWRITE_PLAN"):
         hp_rewrite.auto_patch()
 
 

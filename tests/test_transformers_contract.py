@@ -16,6 +16,7 @@ from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.hf.shrink import tiny_config
 from hp_rewrite.launch import run_world
 from hp_rewrite.plan import Plan
+from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.tiny import build_tiny_model
 
 from .missing_experts_cases import write_checkpoints
@@ -132,7 +133,7 @@ def test_whole_model_paths_warn_and_bad_device_maps_are_refused(checkpoints, tmp
             model = transformers.Qwen3MoeForCausalLM.from_pretrained(None, config=transformers.AutoConfig.from_pretrained(
                 directory), state_dict=state)
         assert model.hp_rewrite.patched and model.dtype == torch.bfloat16
-        with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match="device_map"):
+        with pytest.raises(ExpertParallelError, match="device_map"):
             transformers.AutoModelForCausalLM.from_pretrained(directory, device_map={"model": "cpu", "lm_head": "meta"})
         single = transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu")
         assert single.hp_rewrite.load_report is not None and single.device.type == "cpu"
@@ -208,7 +209,7 @@ def test_save_pretrained_refuses_what_it_cannot_honour_by_name(checkpoints, tmp_
         ours = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe", "ForCausalLM"])
     for kwargs, name in (({"push_to_hub": True}, "push_to_hub"), ({"variant": "ema"}, "variant"),
                          ({"distributed_checkpoint": True}, "distributed_checkpoint")):
-        with pytest.raises(hp_rewrite.runtime.ExpertParallelError, match=name):
+        with pytest.raises(ExpertParallelError, match=name):
             ours.save_pretrained(tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
 

@@ -20,7 +20,10 @@ from hp_rewrite.match.archetype import compile_function
 from hp_rewrite.match.diagnosis import describe
 from hp_rewrite.match.structure import find_blocks
 from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
-from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, apply_capacity, install_expert_parallel
+from hp_rewrite.runtime.binding.install import install_expert_parallel
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+from hp_rewrite.runtime.options import RuntimeOptions
+from hp_rewrite.runtime.pipeline.capacity import apply_capacity
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.rewrite_cases import TOL, compare
 

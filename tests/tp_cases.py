@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 TOL = 1e-5

@@ -31,7 +31,7 @@ def _optimizer(model):
 
 def _worst_param(model, ref) -> float:
     """Largest parameter difference after training, relative to the parameter's largest value."""
-    from hp_rewrite.runtime import expert_weights, local_rows
+    from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 
     weights = expert_weights(model)
     ref_params = dict(ref.named_parameters())

@@ -17,7 +17,7 @@ from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.runtime import expert_weights, local_rows
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.sync.gradients import expert_parameters, rank_local_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.host_traffic import LiveTemporaries
@@ -224,7 +224,7 @@ def interleaved_step(rank: int, world: int, payload: dict) -> dict:
 def deferred_refusals(rank: int, world: int, payload: dict) -> dict:
     """runtime.defer_expert_grads turns the cases it cannot serve into clear errors: an expert weight with
     a gradient hook (it would never see the gradient) and a differentiable backward (create_graph)."""
-    from hp_rewrite.runtime import ExpertParallelError
+    from hp_rewrite.runtime.errors import ExpertParallelError
 
     torch.set_num_threads(1)
     ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()

@@ -346,7 +346,7 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
              overlap: bool = False, micro_batches: int = 1, fresh_threads: bool = False) -> tuple[Variant, dict]:
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import analyze, install, write
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
 
     plan = parse_plan(plan_text)
     model = copy.deepcopy(ref_model)  # the seeded weights, identical on every rank
@@ -356,7 +356,7 @@ def build_hp(name: str, ref_model, plan_text: str, out_dir: Path, ids, labels, d
     patched = install(model, artifact, plan, ep)
     experts = expert_param_names(model)
     replicated = [p for n, p in model.named_parameters() if n not in experts and p.requires_grad]
-    from hp_rewrite.runtime import resolve_compute
+    from hp_rewrite.runtime.compute.experts import resolve_compute
 
     experts_module = model.get_submodule(patched[0]).experts if patched else None
     w = next(experts_module.parameters()) if experts_module is not None else None

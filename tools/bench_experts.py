@@ -4,7 +4,7 @@ Why: the hp-rewrite runtime must be faster than transformers' own ``grouped_mm``
 to what the same FLOPs cost as one dense matmul chain. This script measures, in one run, on the same
 weights and the same routing (random router logits -> softmax -> top-k):
 
-  a. ``hp-grouped``   ``hp_rewrite.runtime.moe_forward`` with ``RuntimeOptions(compute="grouped")``
+  a. ``hp-grouped``   ``hp_rewrite.runtime.pipeline.dispatch.moe_forward`` with ``RuntimeOptions(compute="grouped")``
   b. ``hp-eager``     the same with ``compute="eager"`` (per-expert loop)
   c. ``hf-grouped``   transformers ``Qwen3MoeExperts`` with ``config._experts_implementation = "grouped_mm"``
   d. ``hf-eager``     the same module with ``_experts_implementation = "eager"``
@@ -50,7 +50,9 @@ from transformers.integrations import moe as hf_moe
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, moe_forward
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+from hp_rewrite.runtime.options import RuntimeOptions
+from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
 REFERENCE = "hf-grouped"
 DENSE = "dense"

@@ -6,7 +6,7 @@
     matmuls still reorder sums), bf16 3e-2). The expert-compute backend chosen, and why, is recorded.
 (b) Local experts forward + backward at a realistic shape (Qwen3-30B-A3B experts: H 2048, I 768,
     E 128, top-8, T 16384, bf16 on an accelerator; tiny fp32 on CPU):
-      ``hp``          hp_rewrite.runtime.moe_forward (EP=1, ``compute: auto``: grouped_mm / npu ops)
+      ``hp``          hp_rewrite.runtime.pipeline.dispatch.moe_forward (EP=1, ``compute: auto``: grouped_mm / npu ops)
       ``hf-grouped``  transformers' Qwen3MoeExperts with ``_experts_implementation = "grouped_mm"``
       ``dense``       the ceiling: ``x[T*K, H] @ W1[H, 2I] -> SwiGLU -> @ W2[I, H]``, no routing
     Timed with a device synchronisation around each iteration; the median is reported, with tokens/s
@@ -74,7 +74,7 @@ def parity(device: str, dtype: torch.dtype) -> dict:
     """Rewritten tiny Qwen3-MoE (EP=1, compute auto) against the unmodified model, on ``device``."""
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import generate, install
-    from hp_rewrite.runtime import ExpertParallelGroup
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
     from hp_rewrite.tiny import build_tiny_model, tiny_config
     from hp_rewrite.verify import gradient_errors, kernel_choices
 
@@ -104,7 +104,9 @@ def bench_steps(size: dict, device: str, dtype: torch.dtype) -> dict[str, Callab
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, moe_forward
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+    from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
     T, H, inter, E, K = (size[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=K)

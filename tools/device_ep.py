@@ -61,7 +61,7 @@ def _model_case(model_type: str, device: torch.device, dtype: torch.dtype, token
 
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.rewrite import generate, install
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
     from hp_rewrite.tiny import build_tiny_model, tiny_config
     from hp_rewrite.verify import gradient_errors
 
@@ -122,12 +122,10 @@ def _layer_speed(device: torch.device, dtype: torch.dtype, size: dict, iters: in
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hp_rewrite.runtime import (
-        RuntimeOptions,
-        build_expert_parallel_group,
-        install_expert_parallel,
-        moe_forward,
-    )
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
+    from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
     T, H, inter, E, K = (size[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     world = dist.get_world_size()

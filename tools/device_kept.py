@@ -63,7 +63,10 @@ def kept_experts(size: dict, device: str, iters: int, sync) -> dict:
 
 
 def _compare(row: str, method: str, size: dict, device: str, iters: int, sync) -> dict:
-    from hp_rewrite.runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, moe_forward
+    from hp_rewrite.runtime.binding.install import install_expert_parallel
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+    from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.dispatch import moe_forward
 
     T, E, K, H = size["tokens"], size["experts"], size["top_k"], size["hidden"]
     gen = torch.Generator().manual_seed(1)

@@ -22,7 +22,7 @@ from hp_rewrite.match.misfits import find_misfits, group_misfits
 from hp_rewrite.match.structure import find_experts_holders
 from hp_rewrite.plan import DEFAULT_PLAN
 from hp_rewrite.rewrite import generate, install
-from hp_rewrite.runtime import ExpertParallelGroup
+from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, survey_model_types, tiny_config
 from hp_rewrite.verify import gradient_errors
 

@@ -190,7 +190,7 @@ def rank_main(rank: int, world: int, payload: dict) -> dict:
     from hp_rewrite.loading import install as install_step
     from hp_rewrite.loading.local import load_expert_parallel
     from hp_rewrite.plan import parse_plan
-    from hp_rewrite.runtime import build_expert_parallel_group
+    from hp_rewrite.runtime.group.groups import build_expert_parallel_group
 
     torch.set_num_threads(1)
     ep = build_expert_parallel_group(payload["ep"])
@@ -265,7 +265,7 @@ def full_rank(rank: int, world: int, payload: dict) -> dict:
     from hp_rewrite import rewrite
     from hp_rewrite.loading.local import load_expert_parallel
     from hp_rewrite.plan import parse_plan
-    from hp_rewrite.runtime import ExpertParallelGroup
+    from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 
     torch.set_num_threads(1)
     plan = parse_plan(f"version: 1\nep_size: {payload['ep']}\n")

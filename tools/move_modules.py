@@ -53,12 +53,34 @@ STEPS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
               "gradient contract, grad norms that count rank-local experts once, the engine guard, lockstep "
               "generation."},
              {f"{R}.{m}": f"hp_rewrite.sync.{m}" for m in ("gradients", "gradnorm", "engines", "generation")}),
+    "face": ({}, {}),  # nothing moves: the runtime's face shrinks to what generated code calls (NAMES)
 }
 #: step -> the names a package stops exporting in it, and where they are defined now
 NAMES: dict[str, dict[str, dict[str, str]]] = {
     "sync": {R: {n: "hp_rewrite.sync.gradients" for n in ("sync_gradients", "GradientSync", "expert_parameters",
                                                          "has_tuner_layers", "rank_local_names",
                                                          "rank_local_parameters")}},
+    "face": {R: {
+        **{n: f"{R}.binding.install" for n in ("ExpertParallelBinding", "exchange_runtimes", "expert_weights",
+                                               "install_expert_parallel", "local_rows")},
+        **{n: f"{R}.compute.experts" for n in ("ExpertsLayout", "experts_implementation_of", "holder_of",
+                                               "kernel_choice", "local_experts_forward", "resolve_compute",
+                                               "shard_experts")},
+        "LocalBatch": f"{R}.compute.batch",
+        "expert_modules": f"{R}.compute",
+        "ExpertParallelError": f"{R}.errors",
+        **{n: f"{R}.group.groups" for n in ("ExpertParallelGroup", "ExpertPlacement", "build_expert_parallel_group")},
+        "RuntimeOptions": f"{R}.options",
+        "ExchangeRuntime": f"{R}.overlap.context",
+        **{n: f"{R}.overlap.turns" for n in ("Interleaver", "interleave")},
+        **{n: f"{R}.pipeline.capacity" for n in ("CapacityResult", "apply_capacity", "expert_capacity")},
+        **{n: f"{R}.pipeline.dispatch" for n in ("DispatchStats", "RoutedDispatch", "moe_forward")},
+        "SHARED_MODES": f"{R}.pipeline.shared",
+        "RouterOutput": f"{R}.routing.routers",
+        **{n: f"{R}.transport.comm" for n in ("PendingExchange", "WaitHooks", "all_to_all", "all_to_all_async")},
+        **{n: f"{R}.transport.exchange" for n in ("DedupExchange", "PerSlotExchange", "TokenExchange",
+                                                  "exchange_for")},
+    }},
 }
 
 

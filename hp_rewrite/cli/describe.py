@@ -76,7 +76,8 @@ def kernel_rows(model, config) -> list[dict]:
     import torch
 
     from ..kernels import npu
-    from ..runtime import ExpertParallelError, ExpertsLayout, experts_implementation_of, kernel_choice
+    from ..runtime.compute.experts import ExpertsLayout, experts_implementation_of, kernel_choice
+    from ..runtime.errors import ExpertParallelError
     from ..tiny import experts_holders
 
     if torch.cuda.is_available():

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..runtime import ExpertParallelError, holder_of
+from ..runtime.compute.experts import holder_of
+from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_modules
 from .save import state_dict_name
 

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..hf import core_model_loading
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 
 __all__ = [
     "CHUNK_BYTES",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..hf import core_model_loading
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from .checkpoint_files import (
     CheckpointKeyError,
     CheckpointShapeError,

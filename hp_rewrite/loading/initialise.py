@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..hf import initialization, pretrained_model_class
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from .checkpoint_files import ExpertSlice
 
 __all__ = ["initialise_missing"]

@@ -12,7 +12,10 @@ from ..match import find_blocks
 from ..match.analysis import expert_placement
 from ..match.diagnosis import nothing_to_rewrite
 from ..match.structure import router_path, selection_bias
-from ..runtime import ExchangeRuntime, ExpertParallelGroup, RuntimeOptions, install_expert_parallel
+from ..runtime.binding.install import install_expert_parallel
+from ..runtime.group.groups import ExpertParallelGroup
+from ..runtime.options import RuntimeOptions
+from ..runtime.overlap.context import ExchangeRuntime
 from ..runtime.routing.routing_load import RouterOf
 
 
@@ -24,7 +27,7 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
             options: RuntimeOptions | None = None, shard: bool = True) -> list[str]:
     """Install the artifact's forwards on ``model`` (real weights). Returns the patched block paths.
 
-    The model's MoE layers share one :class:`~hp_rewrite.runtime.ExchangeRuntime` (the deferred
+    The model's MoE layers share one :class:`~hp_rewrite.runtime.overlap.context.ExchangeRuntime` (the deferred
     expert-gradient queue and the micro-batch turn hook): ``exchange_runtimes(model)`` finds it."""
     module = import_artifact(artifact)
     runtime = ExchangeRuntime()

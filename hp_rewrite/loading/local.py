@@ -54,8 +54,8 @@ from ..hf import (
     progress_bar,
     quiet_transformers,
 )
-from ..runtime import ExpertParallelGroup
 from ..runtime.compute.quantized import QuantizedWeight
+from ..runtime.group.groups import ExpertParallelGroup
 from .checkpoint_files import (
     CHUNK_BYTES,
     CheckpointKeyError,

@@ -26,13 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..hf import pretrained_class_for, pretrained_model_class, transformers_logger
 from ..plan import Plan, load_plan
-from ..runtime import (
-    ExchangeRuntime,
-    ExpertParallelError,
-    ExpertParallelGroup,
-    build_expert_parallel_group,
-    exchange_runtimes,
-)
+from ..runtime.binding.install import exchange_runtimes
+from ..runtime.errors import ExpertParallelError
+from ..runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
+from ..runtime.overlap.context import ExchangeRuntime
 from ..runtime.routing.aux_loss import install_router_losses
 from ..runtime.routing.replay import install_replay
 from ..runtime.routing.routing_load import ModelRouting, freeze_routers, install_routing_loads

@@ -39,7 +39,8 @@ from ..hf import (
     transformers_keeps,
     without_quantizer_transforms,
 )
-from ..runtime import ExpertParallelError, ExpertParallelGroup
+from ..runtime.errors import ExpertParallelError
+from ..runtime.group.groups import ExpertParallelGroup
 from .checkpoint_files import Reader
 from .quantized import DequantizingReader, QuantizedCheckpointError, checkpoint_format
 

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
-from ..runtime import ExpertParallelError, local_rows
+from ..runtime.binding.install import local_rows
+from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import has_tuner_layers
 from .checkpoint_files import expert_slices, foreign_experts, natural_key
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..hf import original_format
-from ..runtime import ExpertParallelError
 from ..runtime.compute.quantized import QuantizedWeight
+from ..runtime.errors import ExpertParallelError
 from .save import _full, _is_distributed, _units, state_dict_name
 
 __all__ = ["checkpoint_weights"]

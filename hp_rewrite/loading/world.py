@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..hf import transformers_logger
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 
 # what torch.distributed's env:// initialisation reads; torchrun (and other launchers) set them all
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

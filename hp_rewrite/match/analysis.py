@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime import ExpertParallelError, ExpertParallelGroup, ExpertPlacement
+from ..runtime.errors import ExpertParallelError
+from ..runtime.group.groups import ExpertParallelGroup, ExpertPlacement
 from .archetype import MatchResult, choose_archetype
 from .structure import BlockStructure, analyze_block, experts_layout, find_blocks, find_experts_holders
 

@@ -27,7 +27,10 @@ from torch import nn
 
 from ..archetypes import block_routed, experts_routed, input_scaled, self_held
 from ..codegen.specialize import specialize, split_params
-from ..runtime import ExpertParallelGroup, RuntimeOptions, install_expert_parallel, softmax_topk
+from ..runtime import softmax_topk
+from ..runtime.binding.install import install_expert_parallel
+from ..runtime.group.groups import ExpertParallelGroup
+from ..runtime.options import RuntimeOptions
 from .registry import ArchetypeSpec, Probe, register_archetype
 from .structure import BlockStructure, experts_layout
 

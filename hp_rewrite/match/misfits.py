@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields, replace
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, ExpertsLayout
+from ..runtime.compute.experts import ExpertsLayout
+from ..runtime.errors import ExpertParallelError
 from .snippets import ACTIONS, UNTOUCHED, path_glob
 from .structure import experts_layout
 

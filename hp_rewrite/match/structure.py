@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..runtime import ExpertParallelError, ExpertsLayout
 from ..runtime.compute import expert_modules
+from ..runtime.compute.experts import ExpertsLayout
+from ..runtime.errors import ExpertParallelError
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from ..errors import UserError
 
 if TYPE_CHECKING:
-    from hp_rewrite.runtime import RuntimeOptions
+    from hp_rewrite.runtime.options import RuntimeOptions
 
 PLAN_VERSION = 1
 
@@ -108,7 +108,7 @@ class ArchetypeSection(_Section):
 
 
 class RuntimeSection(_Section):
-    """Knobs of the routed runtime (see :class:`hp_rewrite.runtime.RuntimeOptions`) plus collectives."""
+    """Knobs of the routed runtime (see :class:`hp_rewrite.runtime.options.RuntimeOptions`) plus collectives."""
 
     compute: ComputeKind = "auto"
     chunks: int = Field(1, ge=1)

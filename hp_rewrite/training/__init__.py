@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..sync import gradients
 from ..sync.gradients import has_tuner_layers
 

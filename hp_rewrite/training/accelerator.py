@@ -39,7 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from ..loading.adapters import adapter_tensors
 from ..loading.save import full_state_dict, save_pretrained
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import trains_rank_local_only
 from . import info_of, peft_model_of, refuse_unsaved_trainables, rewritten_model
 from .checkpoint import load as load_checkpoint

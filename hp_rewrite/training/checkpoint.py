@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..loading.save import state_dict_name
-from ..runtime import ExpertParallelError
 from ..runtime.compute.quantized import QuantizedWeight
+from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import expert_parameters, has_tuner_layers, rank_local_parameters
 from . import info_of, rewritten_model
 

@@ -30,8 +30,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
-from ..runtime import ExpertParallelError
 from ..runtime.compute.quantized import QuantizedWeight
+from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import EP_DIM, backend_name, check_mesh
 from ..sync.gradients import rank_local_modules
 from . import info_of, peft_model_of, rewritten_model

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 
 
 def load_active_adapter(peft, folder: Path, what: str) -> None:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from ..loading.weights import checkpoint_weights
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..runtime.routing.replay import Routes, replay_disagreement, replay_routing
 from . import rewritten_model
 from .rollout import Rollout, place_rollouts, routes_of_placed

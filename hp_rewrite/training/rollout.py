@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..runtime.routing.replay import Routes, _layers
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..runtime.routing.aux_loss import is_wrapped, wrap_forward
 from ..runtime.routing.routing_load import LayerCounts, ModelRouting, router_parameters
 from . import info_of, rewritten_model

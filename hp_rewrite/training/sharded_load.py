@@ -32,7 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ..hf import loading_info, log_loading_report, quiet_transformers
 from ..loading import local
 from ..loading.patch import DEFAULT_ARTIFACT_DIR, RewriteInfo, attach, expert_parallel_group_for, resolve_plan
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from .fsdp import fully_shard
 
 

@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from ..loading.adapters import has_expert_adapters
 from ..loading.save import save_pretrained
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
 from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime import ExpertParallelError
+from ..runtime.errors import ExpertParallelError
 from . import refuse_unsaved_trainables
 from .accelerator import prepare_accelerator
 from .checkpoint import load as load_checkpoint
