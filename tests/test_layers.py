@@ -170,3 +170,13 @@ def test_importing_the_runtime_leaves_the_compiler_unloaded() -> None:
     probe = "import sys, hp_rewrite.runtime, hp_rewrite.cli; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_public_api_resolves() -> None:
+    """Every name of hp_rewrite's lazy map is found where the map says (a moved module breaks it loudly)."""
+    import importlib
+
+    import hp_rewrite
+
+    for name, module in hp_rewrite._LAZY.items():
+        assert hasattr(importlib.import_module(module), name), f"hp_rewrite.{name}: {module} has no {name}"
