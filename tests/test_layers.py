@@ -180,3 +180,16 @@ def test_public_api_resolves() -> None:
 
     for name, module in hp_rewrite._LAZY.items():
         assert hasattr(importlib.import_module(module), name), f"hp_rewrite.{name}: {module} has no {name}"
+
+
+#: hp_rewrite.hf by topic, bottom to top (shrink.py, above them all, uses configs and logs)
+HF_TOPICS = ("logs", "config", "checkpoints", "models", "shrink")
+
+
+def test_hf_topics_import_downward() -> None:
+    modules = {n: p for n, p in _modules().items() if n.startswith("hp_rewrite.hf.")}
+    assert {n.rpartition(".")[2] for n in modules} == set(HF_TOPICS), "add the new hf module to HF_TOPICS"
+    wrong = [f"{name} -> {target}" for name, path in modules.items() for target in _imports(name, path)
+             if target.startswith("hp_rewrite.hf") and (target == "hp_rewrite.hf" or HF_TOPICS.index(
+                 target.rpartition(".")[2]) >= HF_TOPICS.index(name.rpartition(".")[2]))]
+    assert not wrong, "hf imports that run up or across its topics:\n" + "\n".join(sorted(wrong))

@@ -34,7 +34,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import UserError
-from . import config_mapping, is_config, quiet_transformers, short_error
+from .config import config_mapping, is_config
+from .logs import quiet_transformers, short_error
 
 __all__ = [
     "FAMILY_DEFAULTS",
