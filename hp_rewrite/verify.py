@@ -7,7 +7,7 @@ logits and every parameter gradient with the unmodified model run on the whole b
 process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
 over the world and expert gradients over the ranks holding the same experts before comparing. With
 ``tp_size > 1`` the ranks of a TP group share one batch and the dense parts are split over them: the
-gradients are those of :func:`~hp_rewrite.sync.gradients.sync_gradients` (means over the batches)
+gradients are those of :func:`~hp_rewrite.sync.gradients.reduce_gradients` (means over the batches)
 times the number of batches, TP shards gathered.
 """
 
@@ -24,11 +24,13 @@ from torch.distributed.tensor import DTensor
 from .hf import pretrained_model
 from .kernels import npu_permute
 from .loading.patch import load_pretrained
+from .loading.record import record_of
 from .plan import Plan
+from .runtime import installed
 from .runtime.binding.install import expert_weights, local_rows
 from .runtime.compute.experts import experts_implementation_of, kernel_choice
 from .runtime.transport.exchange import permutations_used
-from .sync.gradients import sync_gradients
+from .sync.gradients import reduce_gradients
 
 FP32_TOL = 1e-5
 
@@ -60,7 +62,7 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
     """
     ref_params = dict(ref.named_parameters())
     if ep.tp_size > 1:  # the contract's means over the batches, times their number: the global sums
-        sync_gradients(model, ep)
+        reduce_gradients(model, ep)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(ep.dp_size)
@@ -91,9 +93,9 @@ def kernel_choices(model: nn.Module, compute: str, device_type: str, dtype: torc
     """The expert-compute backend of every installed holder and why, one row per distinct choice."""
     rows: dict[tuple, dict] = {}
     for name, m in model.named_modules():
-        if getattr(m, "hp_expert_parallel", None) is None:
+        if installed.binding(m) is None:
             continue
-        c = kernel_choice(compute, m, device_type, dtype, m.hp_layout)
+        c = kernel_choice(compute, m, device_type, dtype, installed.layout(m))
         row = rows.setdefault((c.backend, c.reason), {**c.as_dict(), "experts_implementation":
                                                       experts_implementation_of(m), "holders": []})
         row["holders"].append(name)
@@ -112,7 +114,7 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     model = load_pretrained(lambda: pretrained_model(payload["model_dir"], dtype=torch.float32,
                                                      trust_remote_code=remote),
                             plan, Path(payload["artifact_root"]))
-    info = model.hp_rewrite
+    info = record_of(model)
     report, patched, ep = info.load_report, info.patched, info.ep
     split = len(info.tensor.styles) if info.tensor is not None else None
     timings = {"load_s": time.perf_counter() - t0}

@@ -95,8 +95,7 @@ def uniform_dedup_rows(rank: int, world: int, tokens: int, num_experts: int, top
     gen = torch.Generator().manual_seed(rank)
     indices = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
     weights = torch.full((tokens, top_k), 1.0 / top_k)
-    state = hp.dispatch(torch.randn(tokens, 4, generator=gen), indices, weights, num_experts=num_experts, ep=ep,
-                        options=RuntimeOptions(dedup=True))
+    state = hp.dispatch(torch.randn(tokens, 4, generator=gen), indices, weights, binding=hp.binding_of(experts))
     hp.experts_and_combine(state, experts)
     return {"rows_sent": state.stats.rows_sent, "rows_received": state.stats.rows_received}
 

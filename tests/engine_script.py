@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
+from hp_rewrite.runtime import installed  # noqa: E402
 from hp_rewrite.sync.gradients import expert_parameters  # noqa: E402
 from tests.training_cases import count_routing, z_loss_by_hand  # noqa: E402
 
@@ -92,7 +93,7 @@ def _worst(model, ref) -> tuple[float, str]:
     for name, p in model.named_parameters():
         target = ref_params[name].detach()
         if id(p) in experts:
-            target = target[model.get_submodule(name.rsplit(".", 1)[0]).hp_expert_parallel.placement.local_index]
+            target = target[installed.binding(model.get_submodule(name.rsplit(".", 1)[0])).placement.local_index]
         err = ((p.detach() - target).abs().max() / target.abs().max().clamp_min(1e-12)).item()
         worst = max(worst, (err, name))
     return worst
@@ -228,7 +229,7 @@ def _lora_pair(model, ref, config: dict):
 def _own_expert_adapters(model) -> None:
     """Draw each rank's expert adapters from a generator of its own: every expert's differ, so an
     expert gathered into the wrong place shows (the expert replicas of an EP rank alike)."""
-    from hp_rewrite.training import rewritten_model
+    from hp_rewrite.loading.record import rewritten_model
 
     gen = torch.Generator().manual_seed(100 + rewritten_model(model).hp_rewrite.ep.rank)
     with torch.no_grad():
@@ -658,7 +659,9 @@ def case_grpo_replay(model_dir, out):
         with hp_rewrite.vllm_returns_routes():
             trainer = trainer_for(name, **overrides)
         hp_rewrite.prepare_trainer(trainer)
-        model = hp_rewrite.training.rewritten_model(trainer.model)
+        from hp_rewrite.loading.record import rewritten_model
+
+        model = rewritten_model(trainer.model)
         seen = []
         model.register_forward_pre_hook(lambda m, a, kw: seen.append((kw["input_ids"].clone(),
                                                                       kw["attention_mask"].clone())), with_kwargs=True)

@@ -22,6 +22,7 @@ from hp_rewrite.runtime import (
     call_router_module,
     dispatch,
     experts_and_combine,
+    installed,
     merge_shared,
     shared_beside,
     sigmoid_group,
@@ -217,9 +218,11 @@ def reference_forward(family: str, blk: nn.Module, h: torch.Tensor) -> torch.Ten
 
 
 def _routed_kw(blk: nn.Module, ep, opts: RuntimeOptions) -> dict:
-    """The runtime arguments generated code passes: the placement the experts were installed with."""
-    binding = blk.experts.hp_expert_parallel
-    return {"num_experts": E, "ep": ep, "options": opts, "placement": binding.placement, "runtime": binding.runtime}
+    """The runtime argument generated code passes: the binding the experts were installed with (its
+    options are ``opts``)."""
+    binding = installed.binding(blk.experts)
+    assert binding.options == opts and (binding.ep.size, binding.ep.rank) == (ep.size, ep.rank)
+    return {"binding": binding}
 
 
 def ep_forward(family: str, blk: nn.Module, h: torch.Tensor, ep, opts: RuntimeOptions) -> torch.Tensor:
@@ -374,7 +377,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         r = forced_route(ep_blk, x_ep, routing, ep_size, case.get("top_k", 2))
         return moe_forward(x_ep, r.indices, r.weights, ep_blk.experts, **_routed_kw(ep_blk, ep, opts))
 
-    weight_grads = ep_blk.experts.hp_expert_parallel.runtime.weight_grads
+    weight_grads = installed.binding(ep_blk.experts).runtime.weight_grads
     jobs_before = weight_grads.jobs_run
     with _GroupedCalls(case.get("watch_grouped", False)) as grouped_calls:
         out = run_ep()
@@ -384,7 +387,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     errors = {"output": _rel(out, ref_out[sl]), "grad/input": _rel(x_ep.grad, x_ref.grad[sl])}
     layout = ExpertsLayout.of(ep_blk.experts)
     expert_names = {f"experts.{n}" for n in layout.weight_names}
-    placement = ep_blk.experts.hp_expert_parallel.placement
+    placement = installed.binding(ep_blk.experts).placement
     ref_params = dict(ref_blk.named_parameters())
     for name, p in ep_blk.named_parameters():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -405,12 +408,12 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         result["grouped_calls"], result["padded"] = grouped_calls.calls, grouped_calls.padded
         result["grouped_ok"] = all(rows > 0 and smallest > 0 for rows, smallest in grouped_calls.calls)
     if opts.defer_expert_grads and ep.size > 1:  # the deferred path ran, and nothing is left queued
-        got_rows = ep_blk.experts.hp_last_stats.rows_received > 0
+        got_rows = installed.last_stats(ep_blk.experts).rows_received > 0
         result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(weight_grads) == 0
     if family == "qwen3" and routing == "natural" and not capacity:  # stats are per global expert
         r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
         want = torch.bincount(r.indices.reshape(-1), minlength=E)
-        result["stats_ok"] = bool(torch.equal(ep_blk.experts.hp_last_stats.tokens_per_expert, want))
+        result["stats_ok"] = bool(torch.equal(installed.last_stats(ep_blk.experts).tokens_per_expert, want))
     if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
         sync_blk = copy.deepcopy(ref_blk)
         sync_opts = RuntimeOptions(**{**case.get("options", {}), "overlap": False})

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from hp_rewrite import auto_patch
 from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
@@ -190,7 +191,7 @@ def _compare(load: dict, plan, art: Path, world: int, saved: Path | None) -> tup
             mine.append(_digest(t))
     if not mine and any(n in experts for n in drawn):
         problems.append(f"{where}: no random expert tensor drawn")
-    held = tuple(tuple(h.hp_expert_parallel.placement.local_experts) for h, _ in experts.values())
+    held = tuple(tuple(installed.binding(h).placement.local_experts) for h, _ in experts.values())
     every: list = [None] * world
     dist.all_gather_object(every, (held, mine))  # ranks of one TP group hold the same experts
     if mine and any(set(a) & set(b) for i, (e, a) in enumerate(every) for f, b in every[i + 1:] if e != f):

@@ -13,6 +13,7 @@ import torch
 from hp_rewrite import sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
@@ -78,7 +79,7 @@ def ep2_module_experts(rank: int, world: int, payload: dict) -> dict:
         ref = build_tiny_model(config(model_type, overrides), seed=0)
         ours = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=Path(payload["out_dir"]))
         held = sorted({n.split(".experts.")[1].split(".")[0] for n, _ in ours.named_parameters() if ".experts." in n})
-        local = [m.hp_expert_parallel.placement.num_local for m in ours.modules() if hasattr(m, "hp_expert_parallel")]
+        local = [installed.binding(m).placement.num_local for m in ours.modules() if installed.is_holder(m)]
         out[model_type] = {"held": held, "local": local, "patched": len(ours.hp_rewrite.patched),
                            "eval": step(ref, ours, rank, world, training=False),
                            "train": step(ref, ours, rank, world, training=True)}

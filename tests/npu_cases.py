@@ -31,6 +31,7 @@ def use_standin():
 
 def compare(case: dict, out_dir: str, rank: int, world: int) -> dict:
     from hp_rewrite.rewrite import generate, install
+    from hp_rewrite.runtime import installed
     from hp_rewrite.runtime.binding.install import exchange_runtimes
     from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
     from hp_rewrite.tiny import build_tiny_model, tiny_config
@@ -62,7 +63,7 @@ def compare(case: dict, out_dir: str, rank: int, world: int) -> dict:
         errors[f"grad/{name}"] = rel
     worst = max(errors, key=errors.get)
     jobs = sum(r.weight_grads.jobs_run for r in exchange_runtimes(model)) if world > 1 else 0
-    layers = sum(getattr(m, "hp_expert_parallel", None) is not None for m in model.modules())
+    layers = sum(installed.binding(m) is not None for m in model.modules())
     return {"layers": layers, "patched": patched, "worst": worst, "worst_err": errors[worst], "tol": TOL[case["dtype"]],
             "forward_calls": forward_calls, "calls": dict(torch_npu.CALLS), "deferred_jobs": jobs}
 
@@ -88,6 +89,7 @@ def permutations_bit_exact(rank: int, world: int, payload: dict) -> dict:
     from hp_rewrite.runtime import dispatch, experts_and_combine
     from hp_rewrite.runtime.group.groups import build_expert_parallel_group
     from hp_rewrite.runtime.options import RuntimeOptions
+    from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
     dispatch_module = importlib.import_module("hp_rewrite.runtime.pipeline.dispatch")  # the module, not the function
 
     torch_npu = use_standin()
@@ -107,7 +109,8 @@ def permutations_bit_exact(rank: int, world: int, payload: dict) -> dict:
         model = copy.deepcopy(holder)
         h, w = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
         opts = RuntimeOptions(dedup=False, compute="eager", chunks=payload["chunks"])
-        out = experts_and_combine(dispatch(h, indices, w, num_experts=experts, ep=ep, options=opts), model)
+        out = experts_and_combine(dispatch(h, indices, w, binding=ExpertParallelBinding.for_experts(experts, ep, opts)),
+                                  model)
         (out * upstream).sum().backward()
         results.append([out.detach(), h.grad, w.grad, model.gate_up_proj.grad, model.down_proj.grad])
         calls = dict(torch_npu.CALLS)

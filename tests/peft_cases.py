@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from hp_rewrite.loading.adapters import has_expert_adapters
 from hp_rewrite.loading.patch import rewrite_model
+from hp_rewrite.runtime import installed
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 
@@ -35,7 +36,7 @@ def expert_slicers(peft_ep, peft_ref) -> dict:
         holder = holder_of(module)
         if holder is None or module is holder or not hasattr(module, "lora_A"):
             continue
-        experts = list(holder.hp_expert_parallel.placement.local_experts)
+        experts = list(installed.binding(holder).placement.local_experts)
         n_full = ref_modules[name].num_experts
         for adapter in module.lora_A:
             slicers[f"{name}.lora_A.{adapter}.weight"] = lambda t, e=experts, n=n_full: t.reshape(

@@ -10,6 +10,7 @@ import torch
 
 import hp_rewrite
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.tiny import as_bf16, build_tiny_model, tiny_config, write_quantized
 
 #: name -> (model type, format)
@@ -54,9 +55,9 @@ def local_state(model) -> dict[str, torch.Tensor]:
     """Each expert weight of the EP model as the full tensor's rows it holds (to compare with a full model)."""
     out = {}
     for path, m in model.named_modules():
-        binding = getattr(m, "hp_expert_parallel", None)
+        binding = installed.binding(m)
         if binding is not None:
-            for name in m.hp_layout.weight_names:
+            for name in installed.layout(m).weight_names:
                 out[f"{path}.{name}"] = binding.placement.local_index
     return out
 
@@ -71,7 +72,7 @@ def mismatches(model, full) -> list[str]:
         want = want_all[name]
         if name in local:
             owner = model.get_submodule(name.rsplit(".", 1)[0])
-            want = owner.hp_layout.stored(owner.hp_layout.per_expert(want)[local[name]])
+            want = installed.layout(owner).stored(installed.layout(owner).per_expert(want)[local[name]])
         if tensor.dtype != want.dtype or tensor.shape != want.shape or not torch.equal(tensor, want):
             bad.append(name)
     return bad
@@ -238,7 +239,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
         r["decoded_mismatched"] = []
         for n, p in weights.items():
             owner = kept.get_submodule(n.rsplit(".", 1)[0])
-            if not torch.equal(p.dense(), owner.hp_layout.per_expert(want[n])[local[n]]):
+            if not torch.equal(p.dense(), installed.layout(owner).per_expert(want[n])[local[n]]):
                 r["decoded_mismatched"].append(n)
         r["expert_bytes"] = kept.hp_rewrite.load_report["expert_bytes"]
         r["stored_share"] = sum(p.stored_bytes for p in weights.values())
@@ -259,7 +260,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             holder = holder_of(module)
             if holder is None or module is holder or not hasattr(module, "lora_A"):
                 continue
-            experts, n_full = list(holder.hp_expert_parallel.placement.local_experts), ref_modules[path].num_experts
+            experts, n_full = list(installed.binding(holder).placement.local_experts), ref_modules[path].num_experts
             slicers[f"{path}.lora_A.default.weight"] = lambda t, e=experts, n=n_full: t.reshape(
                 n, -1, t.shape[-1])[e].reshape(-1, t.shape[-1])
             slicers[f"{path}.lora_B.default.weight"] = lambda t, e=experts, n=n_full: t.reshape(
@@ -310,7 +311,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             r["dcp_refused"] = str(e)
         r.update(_kept_under_fsdp2(load_kept(plan=parse_plan("version: 1\nep_size: 2\n")), peft_ref, config, ids,
                                    mine))
-        holder = next(m for m in kept.modules() if getattr(m, "hp_expert_parallel", None) is not None)
+        holder = next(m for m in kept.modules() if installed.binding(m) is not None)
         weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
         getattr(holder, weight).requires_grad_(True)
         try:

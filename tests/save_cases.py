@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from hp_rewrite import auto_patch
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 
 
 def load_and_save(rank: int, world: int, payload: dict) -> dict:
@@ -16,8 +17,8 @@ def load_and_save(rank: int, world: int, payload: dict) -> dict:
     plan = parse_plan(payload.get("plan") or f"version: 1\nep_size: {payload['ep_size']}\n")
     with auto_patch(plan, artifact_dir=Path(payload["gen_dir"])):
         model = AutoModelForCausalLM.from_pretrained(payload["model_dir"], attn_implementation="eager")
-    placements = [m.hp_expert_parallel.placement for m in model.modules()
-                  if getattr(m, "hp_expert_parallel", None) is not None]
+    placements = [installed.binding(m).placement for m in model.modules()
+                  if installed.binding(m) is not None]
     local = [p.num_local for p in placements]
     model.save_pretrained(payload["out_dir"])  # collective: every rank, rank 0 writes
     return {"local": local, "local_experts": [list(p.local_experts) for p in placements]}

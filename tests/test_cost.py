@@ -19,15 +19,16 @@ from hp_rewrite.cost.calibration import fit_alpha_beta
 from hp_rewrite.cost.flopcount import count_flops, grouped_mm_flop
 from hp_rewrite.cost.hardware import PRESETS, Hardware, load_hardware
 from hp_rewrite.cost.per_rank import Knobs, Parallel, Precision, Workload, estimate, layer_cost
-from hp_rewrite.cost.profile import record_routing
+from hp_rewrite.cost.profile import routing_profile
 from hp_rewrite.cost.ranking import suggest
 from hp_rewrite.cost.routing import Histograms, rank_loads
-from hp_rewrite.cost.spec import MLPShape, ModelSpec, MoELayerSpec, layer_index, model_spec
+from hp_rewrite.cost.spec import MLPShape, ModelSpec, MoELayerSpec, model_spec
 from hp_rewrite.cost.timing import exchange_time, forward_schedule, layer_time
 from hp_rewrite.launch import run_world
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup
+from hp_rewrite.runtime.routing.routing_load import layer_index
 from hp_rewrite.tiny import build_tiny_model, make_tiny, tiny_config
 from tests.cost_cases import BATCH, FAMILIES, SEQ, measure
 
@@ -219,7 +220,11 @@ def test_grouped_mm_formula_matches_the_eager_loop() -> None:
 
 def test_layer_index() -> None:
     assert layer_index("model.layers.3.mlp") == 3 and layer_index("model.language_model.layers.12.moe") == 12
-    assert layer_index("mlp") is None
+    assert layer_index("mlp") is None and layer_index("mlp", 4) == 4
+    # nested paths: the outermost layer list's index, as the routing statistics and the cost model both name it
+    assert layer_index("model.layers.3.mlp.moe_layers.1.experts") == 3
+    assert layer_index("model.language_model.model.layers.5.block_sparse_moe.experts") == 5
+    assert layer_index("model.vision_tower.encoder.layers.2.mlp") == 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +355,7 @@ def test_profile_counts_equal_the_runtime_histogram(tmp_path) -> None:
     plan = parse_plan("version: 1\nep_size: 1\n")
     ref = build_tiny_model(tiny_config("qwen2_moe"), seed=0)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    prof = record_routing(ref, [ids], plan)
+    prof = routing_profile(ref, [ids], plan)
     model = build_tiny_model(tiny_config("qwen2_moe"), seed=0)
     _, art = generate(model, plan, model.config, tmp_path)
     install(model, art, plan, ExpertParallelGroup.single())

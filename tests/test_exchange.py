@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hp_rewrite.runtime.binding.install import ExpertParallelBinding
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup, ExpertPlacement
 from hp_rewrite.runtime.options import RuntimeOptions
 from hp_rewrite.runtime.overlap.context import ExchangeRuntime
 from hp_rewrite.runtime.overlap.deferred import WeightGradQueue
+from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
 from hp_rewrite.runtime.transport import comm
 from hp_rewrite.runtime.transport.exchange import (
     DEDUP,

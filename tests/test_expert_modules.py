@@ -12,6 +12,7 @@ from torch import nn
 
 from hp_rewrite.match.archetype import choose_archetype
 from hp_rewrite.match.structure import find_blocks, find_experts_holders
+from hp_rewrite.runtime import binding_of
 from hp_rewrite.runtime.compute.experts import ExpertsLayout
 
 H, W, E = 16, 12, 4  # hidden, expert width, experts
@@ -131,8 +132,7 @@ def test_expert_modules_run_grouped_without_a_stacked_copy_kept(expert_cls) -> N
     x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref_out = ref(x_ref)
     w, idx = torch.topk(torch.softmax(blk.gate(x_ep), -1, dtype=torch.float), 2, dim=-1)
-    out = moe_forward(x_ep, idx, w / w.sum(-1, keepdim=True), blk.experts, num_experts=E,
-                      ep=ExpertParallelGroup.single(), options=opts)
+    out = moe_forward(x_ep, idx, w / w.sum(-1, keepdim=True), blk.experts, binding=binding_of(blk.experts))
     nodes, todo = set(), [out.grad_fn]
     while todo:
         fn = todo.pop()

@@ -19,6 +19,7 @@ from hp_rewrite.loading.quantized import dequantize_fp8, quantize_fp8, quantize_
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 from hp_rewrite.runtime.errors import ExpertParallelError
+from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 
 FORWARD_TOL = {torch.float32: 3e-2, torch.bfloat16: 4e-2}  # docs/checkpoints.md gives the measured errors
@@ -172,8 +173,8 @@ def test_zero_rows_quantise_to_zero_with_denormals_flushed() -> None:
 
 
 def test_fp8_gemm_is_the_calls_option(monkeypatch) -> None:
-    """``moe_forward(options=...)`` decides, as for every other runtime option of the call (the
-    generated forward passes the holder's plan options)."""
+    """The call's binding's options decide, as for every other runtime option (the generated forward
+    passes the holder's binding, with its plan options)."""
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -194,8 +195,8 @@ def test_fp8_gemm_is_the_calls_option(monkeypatch) -> None:
     monkeypatch.setattr(fp8_gemm, "blockwise_mm", lambda c, *a: calls.append(c.shape[0]) or real(c, *a))
     x, (weights, indices) = torch.randn(6, 256), torch.randn(6, 4).softmax(-1).topk(2, dim=-1)
     for fp8 in (False, True):
-        moe_forward(x, indices, weights, holder, num_experts=4, ep=ExpertParallelGroup.single(),
-                    options=RuntimeOptions(fp8_gemm=fp8))
+        moe_forward(x, indices, weights, holder, binding=ExpertParallelBinding.for_experts(
+            4, ExpertParallelGroup.single(), RuntimeOptions(fp8_gemm=fp8)))
         assert bool(calls) == fp8
 
 

@@ -38,12 +38,25 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _walk_at_run_time(tree: ast.AST):
+    """``ast.walk`` without ``if TYPE_CHECKING:`` blocks: imports for type readers never run."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Every hp_rewrite module ``name`` imports, at module level or inside functions."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _walk_at_run_time(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -52,8 +65,10 @@ def _imports(name: str, path: Path) -> set[str]:
             else:
                 target = node.module or ""
             if target.split(".")[0] == "hp_rewrite":
-                found.add(target)
-                found.update(f"{target}.{a.name}" for a in node.names)
+                submodules = {f"{target}.{a.name}" for a in node.names} & set(_modules())
+                if len(submodules) < len(node.names):  # names of ``target``, not only its submodules
+                    found.add(target)
+                found.update(submodules)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "hp_rewrite")
     modules = _modules()
@@ -121,7 +136,7 @@ def test_every_package_ships_in_the_wheel() -> None:
 
 #: the runtime's rooms, bottom to top (docs/architecture.md); a room imports only from rooms below it (its floor:
 #: errors, options), never from the runtime's face (hp_rewrite.runtime itself, which re-exports from them)
-ROOMS = (("errors",), ("options",), ("group", "transport", "routing"), ("overlap",), ("compute",), ("pipeline",),
+ROOMS = (("errors", "installed"), ("options",), ("group", "transport", "routing"), ("overlap",), ("compute",), ("pipeline",),
          ("binding",))
 ROOM_OF = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
 
@@ -193,3 +208,39 @@ def test_hf_topics_import_downward() -> None:
              if target.startswith("hp_rewrite.hf") and (target == "hp_rewrite.hf" or HF_TOPICS.index(
                  target.rpartition(".")[2]) >= HF_TOPICS.index(name.rpartition(".")[2]))]
     assert not wrong, "hf imports that run up or across its topics:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_public_function_is_defined_twice() -> None:
+    """One definition per public name: two functions of one name in two layers (``layer_index`` once took the
+    first number of a path in one and the last in the other) are one name meaning two things. The CLI's
+    ``register`` is the per-command convention cli/__init__.py calls."""
+    where: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.name != "register":
+                where.setdefault(node.name, []).append(name)
+    twice = {n: m for n, m in where.items() if len(m) > 1}
+    assert not twice, twice
+
+
+#: what hp-rewrite leaves on a model's modules, and the one module that reads and writes each
+MODULE_STATE = {"hp_rewrite.runtime.installed": {"hp_ep", "hp_original_forward", "hp_last_stats", "hp_router_losses",
+                                                 "hp_forward_without_router_losses"},
+                "hp_rewrite.loading.record": {"hp_rewrite"}}
+
+
+def test_module_state_has_one_reader() -> None:
+    """A holder's or a model's hp_* attributes are touched in one module each (as ``.name`` or as a string):
+    one lookup rule (own attributes, never a wrapper's forwarding), decided once."""
+    owner = {attr: module for module, attrs in MODULE_STATE.items() for attr in attrs}
+    stale = {"hp_expert_parallel", "hp_layout", "hp_router", "hp_routing_load", "hp_fsdp_sharded"}
+    wrong = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            attr = node.attr if isinstance(node, ast.Attribute) else \
+                node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if attr in stale or (attr in owner and owner[attr] != name and isinstance(node, ast.Attribute)):
+                wrong.append(f"{name}:{node.lineno}: {attr}")
+            elif attr in owner and owner[attr] != name and attr != "hp_rewrite":
+                wrong.append(f"{name}:{node.lineno}: {attr!r}")
+    assert not wrong, "module state touched outside its reader:\n" + "\n".join(wrong)

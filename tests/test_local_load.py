@@ -33,6 +33,7 @@ import torch
 from hp_rewrite.launch import run_world
 from hp_rewrite.loading.local import CheckpointKeyError, load_expert_parallel
 from hp_rewrite.plan import DEFAULT_PLAN, parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, make_tiny, sample_input_ids, tiny_config
 
@@ -96,9 +97,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _expert_owner(model, name: str):
     """(binding, layout) of the holder of expert weight ``name`` (flat layouts: a path below it), else None."""
     for path, m in model.named_modules():
-        binding = getattr(m, "hp_expert_parallel", None)
-        if binding is not None and name in {f"{path}.{w}" for w in m.hp_layout.weight_names}:
-            return binding, m.hp_layout
+        binding = installed.binding(m)
+        if binding is not None and name in {f"{path}.{w}" for w in installed.layout(m).weight_names}:
+            return binding, installed.layout(m)
     return None
 
 
@@ -238,7 +239,7 @@ def ep2_rank(rank: int, world: int, payload: dict) -> dict:
         with torch.no_grad():
             logits = model(input_ids=ids[mine]).logits
             ref_logits = full(input_ids=ids).logits[mine]
-        placements = [m.hp_expert_parallel.placement for m in model.modules() if hasattr(m, "hp_expert_parallel")]
+        placements = [installed.binding(m).placement for m in model.modules() if installed.is_holder(m)]
         out[variant] = {
             "contiguous": [p.is_contiguous for p in placements],
             "mismatched": mismatched,

@@ -16,6 +16,7 @@ from hp_rewrite.codegen.artifacts import MANIFEST_FILE, MODULE_FILE
 from hp_rewrite.errors import SelectionError
 from hp_rewrite.launch import run_world
 from hp_rewrite.rewrite import generate, install
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.tiny import build_tiny_model, tiny_config
@@ -187,10 +188,10 @@ def test_installed_forward_points_at_the_generated_file(qwen2_model, tmp_path: P
     block = model.model.layers[0].mlp
     assert inspect.getsourcefile(block.forward) == str(art.module_path)
     assert "hp.dispatch(" in inspect.getsource(block.forward)
-    assert block.hp_original_forward.__func__ is type(block).forward  # the original stays reachable
+    assert installed.original_forward(block).__func__ is type(block).forward  # the original stays reachable
     with torch.no_grad():
         x = torch.randn(1, 3, model.config.hidden_size)
-        torch.testing.assert_close(block(x), block.hp_original_forward(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(block(x), installed.original_forward(block)(x), rtol=1e-5, atol=1e-6)
 
 
 def test_plan_level_experts_keeps_block_code(qwen2_model, tmp_path: Path) -> None:

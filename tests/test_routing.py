@@ -14,6 +14,7 @@ import torch
 import hp_rewrite
 from hp_rewrite import rewrite_model
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.pipeline.capacity import expert_capacity
 from hp_rewrite.tiny import build_tiny_model, tiny_config
@@ -91,7 +92,7 @@ def test_compiled_forward_counts_as_eager(tmp_path: Path) -> None:
 
 def test_stats_off(tmp_path: Path) -> None:
     _, model = _models(tmp_path, routing="routing: {stats: false}\n")
-    assert all(getattr(m, "hp_routing_load", None) is None for m in model.modules())
+    assert all(installed.routing_load(m) is None for m in model.modules())
     with pytest.raises(ExpertParallelError, match=r"routing\.stats: false"):
         hp_rewrite.routing_stats(model)
 
@@ -273,13 +274,13 @@ def test_recorded_routing_replayed_in_training(tmp_path: Path) -> None:
     with torch.no_grad():
         fresh = {n: torch.bincount(c[0].long().reshape(-1), minlength=8) for n, c in routes.layers.items()}
         model(input_ids=ids)
-        assert any(not torch.equal(m.hp_last_stats.tokens_per_expert, fresh[n]) for n, m in model.named_modules()
+        assert any(not torch.equal(installed.last_stats(m).tokens_per_expert, fresh[n]) for n, m in model.named_modules()
                    if n in fresh)
     with hp_rewrite.replay_routing(model, loaded):
         model(input_ids=ids, labels=ids).loss.backward()
     for name, m in model.named_modules():
         if name in fresh:
-            assert torch.equal(m.hp_last_stats.tokens_per_expert, fresh[name]), name
+            assert torch.equal(installed.last_stats(m).tokens_per_expert, fresh[name]), name
     for name, m in ref.named_modules():
         if name.endswith("mlp.gate"):
             m.forward = _forced_router(m, routes.layers[name.replace("gate", "experts")][0].long())

@@ -17,6 +17,7 @@ from hp_rewrite import auto_patch, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.match import find_blocks
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.sync.gradients import expert_parameters, rank_local_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
@@ -62,8 +63,8 @@ def training_step(rank: int, world: int, payload: dict) -> dict:
     weight_grads = model.hp_rewrite.runtime.weight_grads
     out = model(input_ids=ids[mine], **kwargs)
     _lm_loss(out.logits, ids[mine]).backward()
-    placements = [m.hp_expert_parallel.placement for m in model.modules()
-                  if getattr(m, "hp_expert_parallel", None) is not None]
+    placements = [installed.binding(m).placement for m in model.modules()
+                  if installed.binding(m) is not None]
     result = {"local_experts": [p.num_local for p in placements],
               "contiguous": [p.is_contiguous for p in placements],
               # runtime.defer_expert_grads: weight-gradient jobs run (in exchange waits), none left queued
@@ -122,8 +123,8 @@ def auto_patch_world(rank: int, world: int, payload: dict) -> dict:
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         err = (model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item()
-    local = [m.hp_expert_parallel.placement.num_local for m in model.modules()
-             if getattr(m, "hp_expert_parallel", None) is not None]
+    local = [installed.binding(m).placement.num_local for m in model.modules()
+             if installed.binding(m) is not None]
     return {"err": err, "local": local, "after_patched": getattr(after, "hp_rewrite", None) is not None}
 
 
@@ -193,7 +194,7 @@ def interleaved_step(rank: int, world: int, payload: dict) -> dict:
     _lm_loss(ref(input_ids=ids).logits, ids).backward()
 
     order: list[str] = []
-    blocks = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    blocks = [m for m in model.modules() if installed.binding(m) is not None]
     for layer, blk in enumerate(blocks):
         blk.register_forward_pre_hook(lambda m, a, layer=layer: order.append((threading.current_thread().name, layer)))
 
@@ -260,10 +261,10 @@ def contract_world(rank: int, world: int, payload: dict) -> dict:
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         err = (model(input_ids=ids).logits.float() - plain(input_ids=ids).logits.float()).abs().max().item()
-    holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    holders = [m for m in model.modules() if installed.binding(m) is not None]
     return {"class": type(model).__name__, "dtype": str(model.dtype), "attn": model.config._attn_implementation,
-            "local": [m.hp_expert_parallel.placement.num_local for m in holders],
-            "experts": holders[0].hp_expert_parallel.placement.num_experts, "err": err,
+            "local": [installed.binding(m).placement.num_local for m in holders],
+            "experts": installed.binding(holders[0]).placement.num_experts, "err": err,
             "bytes_read": model.hp_rewrite.load_report["bytes_read"],
             "file_bytes": sum(f.stat().st_size for f in Path(payload["model_dir"]).glob("*.safetensors"))}
 

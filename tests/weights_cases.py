@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from hp_rewrite import auto_patch, checkpoint_weights
 from hp_rewrite.hf import quiet_transformers
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 
 from .vllm_standin import vllm_name_problems
 
@@ -89,20 +90,20 @@ def stream_problems(ours, want: dict, where: str, rank: int, world: int, family:
     with gathered_bytes() as sizes:
         streamed = list(checkpoint_weights(ours))
     problems = compare(streamed, want, f"{where} dst=None", merged)
-    holders = [m for m in ours.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    holders = [m for m in ours.modules() if installed.binding(m) is not None]
     if family in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
-        problems += vllm_name_problems(family, streamed, holders[0].hp_expert_parallel.placement.num_experts)
-    if holders and holders[0].hp_expert_parallel.ep.size > 1:
+        problems += vllm_name_problems(family, streamed, installed.binding(holders[0]).placement.num_experts)
+    if holders and installed.binding(holders[0]).ep.size > 1:
         inner = ours.get_base_model() if hasattr(ours, "get_base_model") else ours
         bucket = int(inner.hp_rewrite.plan.runtime.weight_sync_bucket_mb * 2**20)
         itemsize = next(ours.parameters()).element_size()
-        rows = [m.hp_layout.expert_shape(m, w).numel() * itemsize for m in holders
-                for w in (m.hp_layout.roles if m.hp_layout.modules else m.hp_layout.weight_names)]
+        rows = [installed.layout(m).expert_shape(m, w).numel() * itemsize for m in holders
+                for w in (installed.layout(m).roles if installed.layout(m).modules else installed.layout(m).weight_names)]
         one_each = world * max(rows)  # one expert of each rank: the least a gather can bring
         per_expert = any(".experts.1." in n or ".experts.expert_1." in n for n in want)
         if per_expert and max(sizes) > max(bucket, one_each):
             problems.append(f"{where}: a gather of {max(sizes)} bytes, bucket {bucket}")
-        local = holders[0].hp_expert_parallel.placement.num_local
+        local = installed.binding(holders[0]).placement.num_local
         if per_expert and bucket < local * one_each and len(sizes) <= len(holders) * 2:
             problems.append(f"{where}: {len(sizes)} gathers for {len(holders)} layers: not streamed in buckets")
     last = world - 1

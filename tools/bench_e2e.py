@@ -98,6 +98,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hp_rewrite.runtime import installed
+
 REPO = Path(__file__).resolve().parents[1]
 HP = "hp-ep2"
 BALANCED = "hp-ep2-balanced"
@@ -279,8 +281,8 @@ def expert_param_names(model: torch.nn.Module) -> set[str]:
     """Parameters of hp-rewrite's installed experts holders (sharded over EP, not replicated)."""
     names = set()
     for mod_name, mod in model.named_modules():
-        if getattr(mod, "hp_expert_parallel", None) is not None:
-            names.update(f"{mod_name}.{w}" for w in mod.hp_layout.weight_names)
+        if installed.binding(mod) is not None:
+            names.update(f"{mod_name}.{w}" for w in installed.layout(mod).weight_names)
     return names
 
 
@@ -418,7 +420,7 @@ def grad_errors(variant: Variant, ref_grads: dict[str, torch.Tensor], scale: flo
         ref = ref_grads[name]
         if name in expert_names:  # this rank's experts of that layer (the placement may differ per layer)
             owner = variant.model.get_submodule(name.rsplit(".", 1)[0])
-            ref = ref[owner.hp_expert_parallel.placement.local_index]
+            ref = ref[installed.binding(owner).placement.local_index]
         errs[name] = max_rel(torch.zeros_like(ref) if g is None else g * scale, ref, floor)
     worst = max(errs, key=errs.get)
     experts = [e for n, e in errs.items() if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n]
@@ -532,7 +534,7 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     load_balanced = {}
     if balanced is not None:  # the same routed rows, grouped by the balanced placement's owner ranks
         for n, idx in routed.items():
-            placement = balanced.model.get_submodule(n.removesuffix(".gate") + ".experts").hp_expert_parallel.placement
+            placement = installed.binding(balanced.model.get_submodule(n.removesuffix(".gate") + ".experts")).placement
             owner = torch.tensor(placement.slot_of_expert) // placement.num_local
             load_balanced[n] = torch.bincount(owner[idx.reshape(-1)], minlength=EP_SIZE).tolist()
     result = {"rank": rank, "times": times, "memory": memory, "info": info, "agreement": agreement, "ep_load": load,
@@ -736,7 +738,7 @@ def calibration_profile(model, sizes: dict, seed: int, seqs: int, tokens: str, t
 
     ``oracle``: on the timed batch itself instead, a diagnostic bound (no placement fixed in advance can
     know the batch), never a fair measurement."""
-    from hp_rewrite.cost.profile import record_routing
+    from hp_rewrite.cost.profile import routing_profile
 
     if oracle:  # the same draws as the workers' all_ids
         batches = [token_ids(tokens, sizes["vocab"], (WORLD * sizes["batch"], sizes["seq"]),
@@ -745,7 +747,7 @@ def calibration_profile(model, sizes: dict, seed: int, seqs: int, tokens: str, t
         gen = torch.Generator().manual_seed(seed + 1000)
         batches = [token_ids(tokens, sizes["vocab"], (1, sizes["seq"]), gen) for _ in range(seqs)]
     path = tmp / "calibration-profile.json"
-    path.write_text(json.dumps(record_routing(model.eval(), batches).as_dict(EP_SIZE), indent=2))
+    path.write_text(json.dumps(routing_profile(model.eval(), batches).as_dict(EP_SIZE), indent=2))
     return str(path)
 
 

@@ -53,6 +53,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup
 from hp_rewrite.runtime.options import RuntimeOptions
 from hp_rewrite.runtime.pipeline.dispatch import moe_forward
+from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
 
 REFERENCE = "hf-grouped"
 DENSE = "dense"
@@ -117,8 +118,8 @@ def build_steps(a: argparse.Namespace) -> dict[str, Step]:
 
         def forward() -> torch.Tensor:
             cfg._experts_implementation = "grouped_mm"  # transformers' default: runtime.compute decides
-            return moe_forward(hidden, indices, weights, experts, num_experts=E, ep=ExpertParallelGroup.single(),
-                               options=opts)
+            return moe_forward(hidden, indices, weights, experts,
+                               binding=ExpertParallelBinding.for_experts(E, ExpertParallelGroup.single(), opts))
         return routed(forward)
 
     def hf(impl: str) -> Step:

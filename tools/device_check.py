@@ -107,6 +107,7 @@ def bench_steps(size: dict, device: str, dtype: torch.dtype) -> dict[str, Callab
     from hp_rewrite.runtime.group.groups import ExpertParallelGroup
     from hp_rewrite.runtime.options import RuntimeOptions
     from hp_rewrite.runtime.pipeline.dispatch import moe_forward
+    from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
 
     T, H, inter, E, K = (size[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=K)
@@ -130,8 +131,8 @@ def bench_steps(size: dict, device: str, dtype: torch.dtype) -> dict[str, Callab
 
     def hp() -> None:
         zero(hidden, weights, experts.gate_up_proj, experts.down_proj)
-        moe_forward(hidden, indices, weights, experts, num_experts=E, ep=ExpertParallelGroup.single(),
-                    options=opts).backward(grad_out)
+        moe_forward(hidden, indices, weights, experts,
+                    binding=ExpertParallelBinding.for_experts(E, ExpertParallelGroup.single(), opts)).backward(grad_out)
 
     def hf() -> None:
         zero(hidden, weights, experts.gate_up_proj, experts.down_proj)

@@ -126,6 +126,7 @@ def _layer_speed(device: torch.device, dtype: torch.dtype, size: dict, iters: in
     from hp_rewrite.runtime.group.groups import build_expert_parallel_group
     from hp_rewrite.runtime.options import RuntimeOptions
     from hp_rewrite.runtime.pipeline.dispatch import moe_forward
+    from hp_rewrite.runtime.pipeline.layer import ExpertParallelBinding
 
     T, H, inter, E, K = (size[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     world = dist.get_world_size()
@@ -144,8 +145,8 @@ def _layer_speed(device: torch.device, dtype: torch.dtype, size: dict, iters: in
     weights = top_w.to(device=device, dtype=dtype).requires_grad_()
     indices = indices.to(device)
     grad = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
-    steps = {"hp-ep2": lambda: moe_forward(hidden, indices, weights, local, num_experts=E, ep=ep,
-                                           options=RuntimeOptions()).backward(grad),
+    binding = ExpertParallelBinding.for_experts(E, ep, RuntimeOptions())
+    steps = {"hp-ep2": lambda: moe_forward(hidden, indices, weights, local, binding=binding).backward(grad),
              "hf-grouped-all-experts": lambda: full(hidden, indices, weights).backward(grad)}
     times: dict[str, list[float]] = {n: [] for n in steps}
     for it in range(iters + 1):

@@ -63,6 +63,7 @@ def kept_experts(size: dict, device: str, iters: int, sync) -> dict:
 
 
 def _compare(row: str, method: str, size: dict, device: str, iters: int, sync) -> dict:
+    from hp_rewrite.runtime import installed
     from hp_rewrite.runtime.binding.install import install_expert_parallel
     from hp_rewrite.runtime.group.groups import ExpertParallelGroup
     from hp_rewrite.runtime.options import RuntimeOptions
@@ -83,8 +84,7 @@ def _compare(row: str, method: str, size: dict, device: str, iters: int, sync) -
 
     def step(holder):
         hidden = x.detach().requires_grad_()
-        y = moe_forward(hidden, indices, top_w, holder, num_experts=E, ep=ExpertParallelGroup.single(),
-                        options=holder.hp_expert_parallel.options)
+        y = moe_forward(hidden, indices, top_w, holder, binding=installed.binding(holder))
         y.backward(grad_out)
         return y.detach(), hidden.grad
 

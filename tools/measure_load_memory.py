@@ -269,7 +269,7 @@ def full_rank(rank: int, world: int, payload: dict) -> dict:
 
     torch.set_num_threads(1)
     plan = parse_plan(f"version: 1\nep_size: {payload['ep']}\n")
-    ep = ExpertParallelGroup(size=payload["ep"], rank=0)  # shard_experts needs no communication
+    ep = ExpertParallelGroup(size=payload["ep"], rank=0)  # keep_local_experts needs no communication
     warm, _ = load_expert_parallel(payload["warmup_dir"], plan, ep, payload["artifact_dir"])
     del warm
     gc.collect()
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         (full,) = run_world(1, f"{Path(__file__).stem}:full_rank", payload, timeout=1800)
         result["full_load"] = {k: full[k] - full["baseline"] for k in ("loaded_peak", "peak", "end_rss")}
         print(
-            f"from_pretrained + shard_experts (one process): peak {result['full_load']['peak'] / mib:.0f} MiB "
+            f"from_pretrained + keep_local_experts (one process): peak {result['full_load']['peak'] / mib:.0f} MiB "
             f"over baseline (after from_pretrained {result['full_load']['loaded_peak'] / mib:.0f} MiB, "
             f"resident at the end {result['full_load']['end_rss'] / mib:.0f} MiB)"
         )

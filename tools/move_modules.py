@@ -65,7 +65,7 @@ NAMES: dict[str, dict[str, dict[str, str]]] = {
                                                "install_expert_parallel", "local_rows")},
         **{n: f"{R}.compute.experts" for n in ("ExpertsLayout", "experts_implementation_of", "holder_of",
                                                "kernel_choice", "local_experts_forward", "resolve_compute",
-                                               "shard_experts")},
+                                               "keep_local_experts")},
         "LocalBatch": f"{R}.compute.batch",
         "expert_modules": f"{R}.compute",
         "ExpertParallelError": f"{R}.errors",

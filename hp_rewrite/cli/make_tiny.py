@@ -28,7 +28,7 @@ def register(sub) -> None:
     mt.add_argument("--quantize", choices=("mxfp4", "fp8"), default=None,
                     help="write it in bf16 and the quantised layout the Hub ships: mxfp4 (gpt-oss: fused expert "
                     "blocks and scales) or fp8 (DeepSeek-V3 / Qwen3-FP8: block-FP8 Linear weights, per expert)")
-    mt.set_defaults(run=lambda ns: make_tiny(_args(ns)))
+    mt.set_defaults(run=lambda ns: run(_args(ns)))
 
 
 def _args(ns) -> MakeTinyArgs:
@@ -44,7 +44,7 @@ def _args(ns) -> MakeTinyArgs:
     return MakeTinyArgs(model_type, out_dir, ns.from_config, ns.seed, ns.quantize)
 
 
-def make_tiny(args: MakeTinyArgs) -> int:
+def run(args: MakeTinyArgs) -> int:
     from ..tiny import make_tiny as write_tiny
 
     path = write_tiny(args.model_type, args.out_dir, from_config=args.from_config, seed=args.seed,

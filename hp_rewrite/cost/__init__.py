@@ -3,7 +3,7 @@
 ``model_spec`` reads the MoE layers of a (meta) model from its weight shapes; ``estimate`` costs
 them per rank (FLOPs, all-to-all bytes, memory) for a parallel setting and a workload, balanced or
 skew-aware from a tokens-per-expert histogram; ``step_time`` turns a cost into seconds on a
-:class:`Hardware`; ``suggest`` ranks EP degrees; ``record_routing`` profiles real routing. The
+:class:`Hardware`; ``suggest`` ranks EP degrees; ``routing_profile`` profiles real routing. The
 FLOP and byte formulas are checked against FlopCounterMode and the runtime's ``DispatchStats``
 (tests/test_cost.py). Importing this package does not import torch until a function needs it.
 """
@@ -35,7 +35,7 @@ _LAZY = {
     "Candidate": "ranking",
     "suggest": "ranking",
     "RoutingProfile": "profile",
-    "record_routing": "profile",
+    "routing_profile": "profile",
     "write_profile": "profile",
     "calibrate": "calibration",
     "count_flops": "flopcount",

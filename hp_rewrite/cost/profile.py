@@ -20,8 +20,8 @@ from torch import nn
 
 from ..hf import top_k_of
 from ..match.structure import experts_layout, find_blocks
+from ..runtime.routing.routing_load import layer_index
 from .routing import RankLoads, rank_loads_from_counts
-from .spec import layer_index
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _index_arg(args: tuple, kwargs: dict):
     return kwargs.get("top_k_index", kwargs.get("router_indices"))
 
 
-def record_routing(model: nn.Module, batches: list[torch.Tensor], plan=None) -> RoutingProfile:
+def routing_profile(model: nn.Module, batches: list[torch.Tensor], plan=None) -> RoutingProfile:
     """Run ``model`` on each ``[batch, seq]`` id tensor; count routed slots per expert per layer."""
     blocks = [
         s

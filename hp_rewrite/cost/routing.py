@@ -89,7 +89,7 @@ def expert_counts(
     return tuple(counts), ""
 
 
-def apply_capacity(
+def kept_counts(
     counts: tuple[float, ...], ep: int, tokens: float, top_k: int, capacity_factor: float | None
 ) -> tuple[float, ...]:
     """Slots kept per expert with the runtime's capacity ``ceil(cf * tokens * k / E)`` per source rank.
@@ -125,7 +125,7 @@ def rank_loads(
     ``zero_experts``: identity experts after the routed ones; their slots are never dispatched.
     """
     counts, why = expert_counts(histogram, num_experts, ep, tokens, top_k, zero_experts)
-    counts = apply_capacity(counts, ep, tokens, top_k, capacity_factor)
+    counts = kept_counts(counts, ep, tokens, top_k, capacity_factor)
     if why:
         return RankLoads(tuple([sum(counts) / ep] * ep), "balanced", why)
     if owners is not None:

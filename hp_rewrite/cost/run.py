@@ -238,7 +238,7 @@ def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: i
 
     from ..hf import auto_class_for
     from ..plan import load_plan
-    from .profile import record_routing, write_profile
+    from .profile import routing_profile, write_profile
 
     plan = load_plan(plan_path)
     config = load_config(model_dir, trust_remote_code)
@@ -262,7 +262,7 @@ def profile_routing(plan_path: Path, model_dir: Path, tokens: Path | None, ep: i
     model = auto_class_for(config).from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
                                                    trust_remote_code=trust_remote_code)
     model.eval()
-    prof = record_routing(model, batches, plan)
+    prof = routing_profile(model, batches, plan)
     if not prof.layers:
         raise UserError(f"{model_dir}: no MoE layer selected by the plan")
     bad = sorted({len(lay.tokens_per_expert) for lay in prof.layers if len(lay.tokens_per_expert) % ep})

@@ -14,7 +14,6 @@ only the sizes come from the full model. When even that fails the spec is struct
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -22,6 +21,7 @@ from torch import nn
 from ..hf import top_k_of
 from ..match.probe_size import largest_block_params, too_big_to_probe
 from ..match.structure import BlockStructure, experts_layout, find_blocks
+from ..runtime.routing.routing_load import layer_index
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,6 @@ class ModelSpec:
     def other_params(self) -> int:
         """Attention, embeddings, norms, dense MLP layers: not costed, replicated on every EP rank."""
         return max(self.total_params - self.moe_params, 0)
-
-
-def layer_index(path: str) -> int | None:
-    """The decoder layer number in a module path (``model.layers.3.mlp`` -> 3)."""
-    found = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", path)
-    return int(found[-1]) if found else None
 
 
 def routed_shape(experts: nn.Module, num_experts: int) -> MLPShape:

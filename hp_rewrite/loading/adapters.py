@@ -25,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..runtime import installed
 from ..runtime.compute.experts import holder_of
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_modules
+from .record import record_of
 from .save import state_dict_name
 
 
@@ -43,17 +45,17 @@ class ExpertAdapter:
 
     def rows(self, experts) -> list[int]:
         """The full tensor's expert rows (global ids) of a rank holding ``experts``."""
-        placement = self.holder.hp_expert_parallel.placement
-        return list(self.holder.hp_layout.rows_of(self.weight, experts, placement.num_experts))
+        placement = installed.binding(self.holder).placement
+        return list(installed.layout(self.holder).rows_of(self.weight, experts, placement.num_experts))
 
     @property
     def local_experts(self) -> int:
         """The expert rows of this rank's part (its experts, and the zero experts every rank keeps)."""
-        return len(self.rows(self.holder.hp_expert_parallel.placement.local_experts))
+        return len(self.rows(installed.binding(self.holder).placement.local_experts))
 
     @property
     def full_experts(self) -> int:
-        placement, layout = self.holder.hp_expert_parallel.placement, self.holder.hp_layout
+        placement, layout = installed.binding(self.holder).placement, installed.layout(self.holder)
         return placement.num_experts + (layout.zero_experts if self.weight in layout.padded_names else 0)
 
     def per_expert(self, t: torch.Tensor, experts: int) -> torch.Tensor:
@@ -91,9 +93,9 @@ def expert_adapters(model: nn.Module) -> tuple[list[ExpertAdapter], list[str]]:
     found, unknown = [], []
     for path, module in rank_local_modules(model):
         holder = holder_of(module)
-        if holder is None or holder.hp_expert_parallel.ep.size == 1:
+        if holder is None or installed.binding(holder).ep.size == 1:
             continue  # a child holding a block's expert weights (JetMoE's): no adapter there; EP 1: all experts
-        layout = holder.hp_layout
+        layout = installed.layout(holder)
         known = {id(layout.param(holder, w)) for w in layout.weight_names}
         for wpath, wrapper in _wrappers(module, state_dict_name(path)):
             name = getattr(wrapper, "parameter_name", None)
@@ -133,7 +135,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def gather_full_adapter(adapter: ExpertAdapter, local: torch.Tensor) -> torch.Tensor:
     """The full-shape tensor of ``adapter`` (as the unmodified model's PEFT holds it), on the host,
     from every EP rank's part (collective over the EP group)."""
-    binding = adapter.holder.hp_expert_parallel
+    binding = installed.binding(adapter.holder)
     ep, placement = binding.ep, binding.placement
     if local.is_meta:  # an adapter being created without storage (PEFT's low_cpu_mem_usage): only its shape
         return torch.empty(adapter.full_shape(), dtype=local.dtype, device="meta")
@@ -152,7 +154,7 @@ def gather_full_adapter(adapter: ExpertAdapter, local: torch.Tensor) -> torch.Te
 
 def local_part(adapter: ExpertAdapter, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full-shape tensor of ``adapter``."""
-    placement = adapter.holder.hp_expert_parallel.placement
+    placement = installed.binding(adapter.holder).placement
     per = adapter.per_expert(full, adapter.full_experts)
     return adapter.flat(per.index_select(adapter.expert_dim,
                                          torch.tensor(adapter.rows(placement.local_experts), device=full.device)))
@@ -182,7 +184,7 @@ def adapter_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.P
 def _sharded_adapters(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
     """:func:`adapter_tensors` when FSDP2 (hp_rewrite.fully_shard, or an engine's through it) has
     sharded the model; empty otherwise."""
-    if getattr(getattr(module, "hp_rewrite", None), "fsdp", None) is None:
+    if getattr(record_of(module), "fsdp", None) is None:
         return []
     return adapter_tensors(module, prefix)
 

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..hf import core_model_loading
+from ..runtime import installed
 from ..runtime.errors import ExpertParallelError
 
 __all__ = [
@@ -254,10 +255,10 @@ def expert_slices(model: nn.Module) -> dict[str, ExpertSlice]:
     as modules have none: each of their parameters is one expert's, loaded by its own name."""
     out = {}
     for path, module in model.named_modules():
-        binding = getattr(module, "hp_expert_parallel", None)
-        if binding is None or module.hp_layout.modules:
+        binding = installed.binding(module)
+        if binding is None or installed.layout(module).modules:
             continue
-        placement, layout = binding.placement, module.hp_layout
+        placement, layout = binding.placement, installed.layout(module)
         for name in layout.weight_names:
             full = f"{path}.{name}" if path else name
             held = layout.rows_of(name, placement.local_experts, placement.num_experts)  # + zero experts' rows
@@ -270,8 +271,8 @@ def foreign_experts(model: nn.Module) -> set[str]:
     checkpoint tensors this rank leaves unread, neither missing nor unexpected."""
     out = set()
     for path, module in model.named_modules():
-        layout = getattr(module, "hp_layout", None)
-        if getattr(module, "hp_expert_parallel", None) is None or not layout.modules:
+        layout = installed.layout(module)
+        if installed.binding(module) is None or not layout.modules:
             continue
         prefix = f"{path}." if path else ""
         held = set(layout.held)

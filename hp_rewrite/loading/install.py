@@ -12,6 +12,7 @@ from ..match import find_blocks
 from ..match.analysis import expert_placement
 from ..match.diagnosis import nothing_to_rewrite
 from ..match.structure import router_path, selection_bias
+from ..runtime import installed
 from ..runtime.binding.install import install_expert_parallel
 from ..runtime.group.groups import ExpertParallelGroup
 from ..runtime.options import RuntimeOptions
@@ -47,12 +48,12 @@ def install(model: nn.Module, artifact: Artifact, plan, ep: ExpertParallelGroup,
         block_entry = classes.get(_qualname(type(s.block)))
         block_level = block_entry is not None and block_entry["archetype"]["level"] == "block"
         router = router_path(s)
-        s.experts.hp_router = RouterOf(
+        installed.state_of(s.experts).router = RouterOf(
             s.block, router, *(selection_bias(s) or (None, None)),
             chooses=block_level and block_entry["archetype"]["router"] == "topk_router_module",
             top_k=top_k_of(s.block, s.block.get_submodule(router) if router else None, getattr(model, "config", None)))
         if block_entry is not None and block_entry["archetype"]["level"] == "block":
-            s.block.hp_original_forward = s.block.forward
+            installed.keep_original_forward(s.block)
             s.block.forward = types.MethodType(getattr(module, block_entry["function"]), s.block)
         patched.append(s.path)
     if not patched:  # an artifact written for another model, or nothing selected: never a silent no-op

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import installed
 from ..runtime.compute.quantized import QuantizedWeight
 from .quantized import DequantizingReader, QuantizedCheckpointError
 
@@ -30,7 +31,7 @@ def kept_expert(filler, unit, name: str, sl) -> QuantizedWeight | None:
     if sl.per_row != 1:
         raise QuantizedCheckpointError(f"{name}: flat 2-D expert weights cannot be kept quantised; {_FIX}")
     path, _, attr = name.rpartition(".")
-    in_first = filler.model.get_submodule(path).hp_layout.transposed_of(attr)  # the parameter's [E, in, out]
+    in_first = installed.layout(filler.model.get_submodule(path)).transposed_of(attr)  # the parameter's [E, in, out]
     if unit.key is not None:
         pair = reader.pairs.get(unit.key)
         if pair is None:

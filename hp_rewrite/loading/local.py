@@ -1,7 +1,7 @@
 """Load a checkpoint expert-parallel, reading only this rank's experts.
 
 :func:`load_expert_parallel` builds the model on the meta device, analyses and installs the plan on
-it (``shard_experts`` slices the meta parameters to the local expert count, so no storage exists
+it (``keep_local_experts`` slices the meta parameters to the local expert count, so no storage exists
 yet), then gives every parameter and buffer real CPU storage of its final, local shape and fills it
 from the checkpoint's safetensors files. Non-local expert weights are never read nor materialised.
 
@@ -54,6 +54,7 @@ from ..hf import (
     progress_bar,
     quiet_transformers,
 )
+from ..runtime import installed
 from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.group.groups import ExpertParallelGroup
 from .checkpoint_files import (
@@ -227,8 +228,8 @@ class PreparedLoad:
         unmodified model draws; and its ``missing_keys`` and ``mismatched_keys`` entries for them."""
         out, missing, mismatched = {}, set(), set()
         for path, module in self.model.named_modules():
-            layout = getattr(module, "hp_layout", None)
-            if getattr(module, "hp_expert_parallel", None) is None or not layout.modules:
+            layout = installed.layout(module)
+            if installed.binding(module) is None or not layout.modules:
                 continue
             absent = [k for k in layout.expert_keys if k not in set(layout.held)]
             if not absent:

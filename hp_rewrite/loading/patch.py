@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -26,37 +25,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..hf import pretrained_class_for, pretrained_model_class, transformers_logger
 from ..plan import Plan, load_plan
+from ..runtime import installed
 from ..runtime.binding.install import exchange_runtimes
 from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
-from ..runtime.overlap.context import ExchangeRuntime
 from ..runtime.routing.aux_loss import install_router_losses
 from ..runtime.routing.replay import install_replay
-from ..runtime.routing.routing_load import ModelRouting, freeze_routers, install_routing_loads
-from ..sync.engines import EngineGuard, install_engine_guard
+from ..runtime.routing.routing_load import freeze_routers, install_routing_loads
+from ..sync.engines import install_engine_guard
 from ..sync.generation import install_lockstep_generation
 from .rank0 import rank0_first
+from .record import RewriteInfo, record_of, set_record
 from .world import ensure_world
 
 PLAN_ENV = "HP_REWRITE_PLAN"
 DEFAULT_ARTIFACT_DIR = Path.home() / ".cache" / "hp-rewrite"
-
-
-@dataclass
-class RewriteInfo:
-    """Attached to a rewritten model as ``model.hp_rewrite``."""
-
-    plan: Plan
-    ep: ExpertParallelGroup
-    artifact_dir: Path
-    patched: list[str]
-    load_report: dict | None = None  # set when only local experts were read (loading.local)
-    engine: EngineGuard | None = None  # DDP contract and refusals (sync.engines)
-    fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
-    runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
-    tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
-    routing: ModelRouting | None = None  # the routing counts the plan's routing section asks for
-    summary: str = ""  # what this rank holds, one line (logged at load: load_summary)
 
 
 def resolve_plan(plan: str | os.PathLike | Plan | None) -> Plan:
@@ -92,7 +75,7 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
     from ..match.generate import ensure_artifact
     from .install import install
 
-    if getattr(model, "hp_rewrite", None) is not None:
+    if record_of(model) is not None:
         return model
     refuse_wrapped(model)
     ep = ep or expert_parallel_group_for(plan, mesh, single_process)
@@ -137,11 +120,11 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
         info.routing = install_routing_loads(model, log=routing.stats, bias_update_rate=routing.bias_update_rate)
     load_full_checkpoints(model)
     install_adapter_state_hooks(model)
-    model.hp_rewrite = info
+    set_record(model, info)
     info.summary = load_summary(model, info)
     log_load(info.summary)
     # the model's own save_pretrained would write only this rank's experts: gather them instead
-    model.hp_original_save_pretrained = model.save_pretrained
+    info.original_save_pretrained = model.save_pretrained
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     if info.ep.size > 1 or info.ep.tp_size > 1:  # the experts are split: refuse TRL's own vLLM weight sync
         model.named_modules = types.MethodType(named_modules, model)
@@ -175,7 +158,7 @@ def load_summary(model: nn.Module, info: RewriteInfo) -> str:
     """One line on what this rank holds: the blocks made expert-parallel, the EP size and this rank's
     experts, TP / SP, the plan's hash."""
     held = {f"{b.placement.num_local} of {b.placement.num_experts}" for m in model.modules()
-            if (b := getattr(m, "hp_expert_parallel", None)) is not None}
+            if (b := installed.binding(m)) is not None}
     experts = ", ".join(sorted(held)) or "none"
     tp = f"TP {info.plan.tp_size}" + (" with sequence parallelism" if info.plan.sequence_parallel else "")
     return (f"hp-rewrite: {len(info.patched)} MoE block(s) expert-parallel, EP {info.ep.size} "

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..hf import original_format, save_remote_code, size_in_bytes, storage_key, transformers_logger
+from ..runtime import installed
 from ..runtime.binding.install import local_rows
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import has_tuner_layers
@@ -45,7 +46,7 @@ def state_dict_name(path: str) -> str:
 
 def _holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(state_dict_name(n), m) for n, m in model.named_modules()
-            if getattr(m, "hp_expert_parallel", None) is not None]
+            if installed.binding(m) is not None]
 
 
 def _gather_full(param: torch.Tensor, binding) -> torch.Tensor | None:
@@ -104,11 +105,11 @@ def _units(model: nn.Module, sort: bool) -> list[list[Entry]]:
     name, ``sort``, as its reverting to the checkpoint format sorts them). Tied tensors appear once, under
     the first name. The same order on every rank: gathering is collective."""
     holders = _holders(model)
-    experts = {f"{path}.{w}": (m, w) for path, m in holders if not m.hp_layout.modules
-               for w in m.hp_layout.weight_names}
+    experts = {f"{path}.{w}": (m, w) for path, m in holders if not installed.layout(m).modules
+               for w in installed.layout(m).weight_names}
     # experts held as modules: each rank holds other names; one entry for all of them, where the first is
-    module_experts = {f"{path}.{w}": path for path, m in holders if m.hp_layout.modules
-                      for w in m.hp_layout.weight_names}
+    module_experts = {f"{path}.{w}": path for path, m in holders if installed.layout(m).modules
+                      for w in installed.layout(m).weight_names}
     by_path = dict(holders)
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [n for n, m in model.named_modules() if n and type(m).__name__ in layer_classes]
@@ -135,7 +136,7 @@ def _gathered_modules(path: str, holder: nn.Module) -> dict[str, torch.Tensor]:
     """Every expert's tensors of a holder of expert modules, under their names (``path.{key}.w1.weight``,
     expert by expert, as the unmodified model's state dict orders them) on global rank 0; empty elsewhere.
     One gather per weight role over the EP group (after FSDP2's over its mesh)."""
-    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    binding, layout = installed.binding(holder), installed.layout(holder)
     full = {}
     for role in layout.roles:
         local = torch.stack([_full(layout.param(holder, f"{k}.{role}").detach()) for k in layout.held])
@@ -154,7 +155,7 @@ def _gathered(name: str, t: torch.Tensor, expert: tuple[nn.Module, str] | None) 
         value = _full(t.detach())
         return value.contiguous().clone() if not _is_distributed() or dist.get_rank() == 0 else None
     holder, w = expert
-    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    binding, layout = installed.binding(holder), installed.layout(holder)
     local = _full(layout.param(holder, w).detach())  # this EP rank's experts, whole
     if binding.ep.replica_rank != 0:
         return None  # the first replica's EP group holds every expert once
@@ -249,10 +250,10 @@ def _total_parameters(model: nn.Module) -> int:
     slices = expert_slices(model)
     total, seen = 0, set()
     for _, h in _holders(model):  # experts held as modules: every expert as this rank's first one
-        if h.hp_layout.modules:
-            seen.update(id(h.hp_layout.param(h, w)) for w in h.hp_layout.weight_names)
-            total += len(h.hp_layout.expert_keys) * sum(
-                h.hp_layout.param(h, f"{h.hp_layout.held[0]}.{r}").numel() for r in h.hp_layout.roles)
+        if installed.layout(h).modules:
+            seen.update(id(installed.layout(h).param(h, w)) for w in installed.layout(h).weight_names)
+            total += len(installed.layout(h).expert_keys) * sum(
+                installed.layout(h).param(h, f"{installed.layout(h).held[0]}.{r}").numel() for r in installed.layout(h).roles)
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -358,9 +359,9 @@ def load_full_checkpoints(model: nn.Module) -> None:
         for name in foreign_experts(module):  # other ranks' expert modules: not this model's tensors
             state_dict.pop(f"{prefix}{name}", None)
         for path, holder in _holders(module):
-            if holder.hp_layout.modules:
+            if installed.layout(holder).modules:
                 continue
-            placement, layout = holder.hp_expert_parallel.placement, holder.hp_layout
+            placement, layout = installed.binding(holder).placement, installed.layout(holder)
             for w in layout.weight_names:
                 key = f"{prefix}{path}.{w}"
                 t, local = state_dict.get(key), layout.param(holder, w)

@@ -23,8 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..hf import original_format
+from ..runtime import installed
 from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.errors import ExpertParallelError
+from .record import record_of
 from .save import _full, _is_distributed, _units, state_dict_name
 
 __all__ = ["checkpoint_weights"]
@@ -77,7 +79,7 @@ def _bucket_bytes(model: nn.Module) -> int:
     """The plan's ``runtime.weight_sync_bucket_mb`` in bytes (its default for a model not rewritten)."""
     from ..plan import RuntimeSection
 
-    info = getattr(model, "hp_rewrite", None)
+    info = record_of(model)
     runtime = info.plan.runtime if info is not None else RuntimeSection()
     return max(1, int(runtime.weight_sync_bucket_mb * 2**20))
 
@@ -204,7 +206,7 @@ def _slots(holder, limit: int, row_bytes: int) -> int:
     """How many local experts each EP rank sends per bucket: the receiver holds that many of every rank,
     and the checkpoint format's copy of one rank's part while converting it (splitting ``gate_up_proj``
     into ``gate_proj`` / ``up_proj`` copies), all of it within ``limit``."""
-    ep = holder.hp_expert_parallel.ep
+    ep = installed.binding(holder).ep
     return max(1, limit // max(1, row_bytes * (ep.size + 1)))
 
 
@@ -212,7 +214,7 @@ def _expert_tensor(model, name: str, holder, weight: str, local: torch.Tensor, d
                    limit: int) -> Iterator[tuple[str, torch.Tensor]]:
     """One fused expert weight ``[E_local, ...]`` of this rank: per-expert names bucket by bucket, or the
     full tensor where the format is fused (or flat, or has zero-expert rows every rank keeps)."""
-    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    binding, layout = installed.binding(holder), installed.layout(holder)
     if not _delivers(binding, dst):
         return
     placement = binding.placement
@@ -247,7 +249,7 @@ def _expert_tensor(model, name: str, holder, weight: str, local: torch.Tensor, d
 
 def _module_experts(model, path: str, holder, dst, receives: bool, limit: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Experts held as modules: each expert's tensors under its own names, a few experts per bucket."""
-    binding, layout = holder.hp_expert_parallel, holder.hp_layout
+    binding, layout = installed.binding(holder), installed.layout(holder)
     local = {role: torch.stack([_full(layout.param(holder, f"{k}.{role}").detach()) for k in layout.held])
              for role in layout.roles}  # gathered on every rank: FSDP2's shards are collective
     if not _delivers(binding, dst):

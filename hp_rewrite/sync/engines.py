@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime import installed
 from ..runtime.binding.install import exchange_runtimes
 from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import ExpertParallelGroup
@@ -141,7 +142,7 @@ class EngineGuard:
         self.ddp_sync = False
         self.reductions = 0
         self._model = model
-        self._holders = [m for m in model.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+        self._holders = [m for m in model.modules() if installed.binding(m) is not None]
         self._above = None  # holder -> the modules containing it (at the first forward)
         self._checked = weakref.WeakKeyDictionary()  # DDP wrapper -> wraps this model (validated)
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
@@ -215,7 +216,7 @@ class EngineGuard:
         if self._above is None:
             self._above = _modules_above(self._model, self._holders)
         for holder in self._holders:
-            if getattr(holder, "hp_fsdp_sharded", False):  # hp_rewrite.fully_shard: over the expert replicas
+            if installed.fsdp_sharded(holder):  # hp_rewrite.fully_shard: over the expert replicas
                 if in_interleaved_step():
                     raise ExpertParallelError(
                         "hp_rewrite.Interleaver runs several forward and backward passes of one rank at once, "
@@ -226,9 +227,9 @@ class EngineGuard:
             # this hook runs when that module is the model itself, so the weights alone cannot tell)
             if any(isinstance(m, FSDPModule) for m in self._above[holder]):
                 raise ExpertParallelError(_FOREIGN_FSDP.format(
-                    name=f"{type(holder).__name__}.{holder.hp_layout.weight_names[0]}"))
-            for name in holder.hp_layout.weight_names:
-                owner, leaf = holder.hp_layout.owner_of(holder, name)  # flat layouts: a path below the holder
+                    name=f"{type(holder).__name__}.{installed.layout(holder).weight_names[0]}"))
+            for name in installed.layout(holder).weight_names:
+                owner, leaf = installed.layout(holder).owner_of(holder, name)  # flat layouts: a path below the holder
                 p = owner._parameters.get(leaf)
                 # FSDP1 leaves no parameter (or, with use_orig_params, a plain view of its flat
                 # parameter) during forward; fully_shard a DTensor

@@ -14,7 +14,7 @@ rank's tokens (every rank the same number of tokens). After backward:
   mean. Averaging expert gradients over the world instead (DDP on everything) would mix different
   experts; dividing only by the replica size would leave them ep_size times too large.
 
-``sync_gradients(model, ep)`` applies exactly this after backward, bucket by bucket (one bucket's copy
+``reduce_gradients(model, ep)`` applies exactly this after backward, bucket by bucket (one bucket's copy
 at a time; expert gradients without replicas are only scaled, never copied); :class:`GradientSync`
 applies it during backward, bucket by bucket, like DDP.
 """
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime import installed
 from ..runtime.compute.experts import holder_of
 from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import ExpertParallelGroup
@@ -41,8 +42,8 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters sharded over EP (the per-expert weights of every expert-parallel holder)."""
     params = []
     for module in model.modules():
-        if getattr(module, "hp_expert_parallel", None) is not None:
-            params.extend(module.hp_layout.param(module, name) for name in module.hp_layout.weight_names)
+        if installed.binding(module) is not None:
+            params.extend(installed.layout(module).param(module, name) for name in installed.layout(module).weight_names)
     return params
 
 
@@ -60,10 +61,10 @@ def rank_local_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if id(module) in inside:
             continue
         holder = holder_of(module)
-        if holder is not None and holder is module and holder.hp_layout.split:
+        if holder is not None and holder is module and installed.layout(holder).split:
             # a block holding its experts (JetMoE's): only the two children with the expert weights are
             # rank-local; its router and output bias are replicated like any dense parameter
-            for w in holder.hp_layout.weight_names:
+            for w in installed.layout(holder).weight_names:
                 owner_path = w.rpartition(".")[0]
                 owner = holder.get_submodule(owner_path)
                 found.append((f"{name}.{owner_path}" if name else owner_path, owner))
@@ -106,7 +107,7 @@ def defers_expert_grads(model: nn.Module) -> bool:
     """Whether the model's expert weight gradients arrive at the end of backward, without hooks
     (``runtime.defer_expert_grads``, see :mod:`.deferred`)."""
     return any(
-        getattr(m, "hp_expert_parallel", None) is not None and m.hp_expert_parallel.options.defer_expert_grads
+        installed.binding(m) is not None and installed.binding(m).options.defer_expert_grads
         for m in model.modules()
     )
 
@@ -149,7 +150,7 @@ def _all_reduce_mean(grads: list[torch.Tensor], group, divisor: int, bucket_byte
         del flat
 
 
-def sync_gradients(model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+def reduce_gradients(model: nn.Module, ep: ExpertParallelGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Make every gradient equal to the unmodified model's on the concatenated batch (see module doc),
     reducing in buckets of ``bucket_bytes`` (the plan's ``runtime.grad_bucket_mb``)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -174,7 +175,7 @@ def reduce_tensor_parallel_grads(params: list[nn.Parameter], ep: ExpertParallelG
     sequence chunk or heads) is first summed over the group, then each rank's shard is averaged over the
     ranks holding the same shard (the data-parallel dimension of the dense mesh). A whole parameter
     (not a DTensor) gets the same gradient on every rank of its TP group: averaging it over the world,
-    as :func:`sync_gradients` does, is its mean over the batches."""
+    as :func:`reduce_gradients` does, is its mean over the batches."""
     if not params:
         return
     with torch.no_grad():
@@ -214,16 +215,16 @@ class _Bucket:
 
 
 class GradientSync:
-    """:func:`sync_gradients` overlapped with backward, the way DDP overlaps its all-reduce.
+    """:func:`reduce_gradients` overlapped with backward, the way DDP overlaps its all-reduce.
 
     Gradients are packed in fixed buckets of at most :data:`BUCKET_BYTES` (one kind: replicated or
     expert, one dtype; in reverse parameter order, about the order backward finishes them). A hook
     after each parameter's gradient accumulation marks it ready; a bucket's all-reduce starts
     (asynchronously) once the bucket and every bucket before it are ready, so every rank starts the
     same collectives in the same order. :meth:`wait` after ``backward()`` starts whatever is left (a
-    parameter this rank did not use counts as a zero gradient, as in :func:`sync_gradients`), waits,
+    parameter this rank did not use counts as a zero gradient, as in :func:`reduce_gradients`), waits,
     divides by the world size and writes the results into ``p.grad``: the same numbers as
-    :func:`sync_gradients`. For gradient accumulation, run the backward passes before the last one
+    :func:`reduce_gradients`. For gradient accumulation, run the backward passes before the last one
     inside :meth:`no_sync`. Call :meth:`close` to remove the hooks.
 
     With ``runtime.defer_expert_grads`` the expert weight gradients are written at the end of backward,

@@ -38,14 +38,14 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from ..loading.adapters import adapter_tensors
+from ..loading.record import info_of, record_of, rewritten_model
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import trains_rank_local_only
-from . import info_of, peft_model_of, refuse_unsaved_trainables, rewritten_model
-from .checkpoint import load as load_checkpoint
-from .checkpoint import save as save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
 from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
+from .rewritten import peft_model_of, refuse_unsaved_trainables
 from .routing import prepare_accelerator_routing
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
@@ -134,7 +134,7 @@ def _kept_owners(models: list[nn.Module]) -> list[nn.Module]:
     """The modules holding experts kept quantised, which FSDP2 leaves out (:mod:`.fsdp`)."""
     owners = []
     for model in models:
-        kept = rewritten_model(model).hp_rewrite.fsdp.kept
+        kept = record_of(model).fsdp.kept
         owners += [m for m in model.modules() if any(id(p) in kept for p in m.parameters(recurse=False))]
     return owners
 
@@ -243,7 +243,7 @@ def leave_out_ddp(accelerator, model) -> None:
         return prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode or mine)
 
     accelerator.prepare_model = prepare_model_without_ddp
-    model.hp_rewrite.engine.sync_without_ddp(lambda: accelerator.sync_gradients)
+    record_of(model).engine.sync_without_ddp(lambda: accelerator.sync_gradients)
 
 
 def prepare_accelerator(accelerator):
@@ -258,7 +258,7 @@ def prepare_accelerator(accelerator):
                                              accelerator.save_state, accelerator.load_state)
 
     def prepare_ep(*args, device_placement=None):
-        split = [a for a in args if _is_ep_model(a) and rewritten_model(a).hp_rewrite.ep.tp_size > 1]
+        split = [a for a in args if _is_ep_model(a) and record_of(a).ep.tp_size > 1]
         if split:
             raise ExpertParallelError(
                 "prepare_accelerator: a model split over TP groups (tp_size > 1) is not supported through accelerate "
@@ -268,7 +268,7 @@ def prepare_accelerator(accelerator):
         if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             models = [a for a in args if _is_ep_model(a)]
-            presharded = any(rewritten_model(m).hp_rewrite.fsdp is not None for m in models)
+            presharded = any(record_of(m).fsdp is not None for m in models)
             for model in models:
                 _shard_experts_first(accelerator, model, optimizers)
             with _plugin_for_ep(accelerator, presharded, models):

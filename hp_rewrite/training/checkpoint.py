@@ -30,28 +30,29 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..loading.record import info_of, rewritten_model
 from ..loading.save import state_dict_name
+from ..runtime import installed
 from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import expert_parameters, has_tuner_layers, rank_local_parameters
-from . import info_of, rewritten_model
 
 
 def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
     """Name of every expert weight -> its holder; refuses what a global view cannot express."""
     names = {}
     for path, holder in model.named_modules():
-        binding = getattr(holder, "hp_expert_parallel", None)
-        if binding is None or holder.hp_layout.modules:  # expert modules: each tensor one expert, named globally
+        binding = installed.binding(holder)
+        if binding is None or installed.layout(holder).modules:  # expert modules: each tensor one expert, named globally
             continue
         if not binding.placement.is_contiguous:
             raise ExpertParallelError(
                 f"checkpoint: {path} uses a balanced expert placement; a distributed checkpoint stores experts in "
                 "expert order. Use placement: contiguous to save and resume with DCP"
             )
-        if holder.hp_layout.zero_experts and binding.ep.size * binding.ep.replica_size > 1:
+        if installed.layout(holder).zero_experts and binding.ep.size * binding.ep.replica_size > 1:
             raise ExpertParallelError(
-                f"checkpoint: {path} keeps its zero (identity) experts' {', '.join(holder.hp_layout.padded_names)} "
+                f"checkpoint: {path} keeps its zero (identity) experts' {', '.join(installed.layout(holder).padded_names)} "
                 "rows on every rank, which a distributed checkpoint's global view cannot express; save with "
                 "hp_rewrite.save_pretrained(model, dir) (and Trainer: hp_rewrite.prepare_trainer) instead"
             )
@@ -62,7 +63,7 @@ def _experts_by_name(model: nn.Module) -> dict[str, nn.Module]:
                 "rank (Trainer: hp_rewrite.prepare_trainer)"
             )
         path = state_dict_name(path)  # DCP's state dicts drop activation checkpointing's wrapper
-        for w in holder.hp_layout.weight_names:
+        for w in installed.layout(holder).weight_names:
             names[f"{path}.{w}" if path else w] = holder
     weights = {id(p) for p in expert_parameters(model)}
     if has_tuner_layers(model) or any(id(p) not in weights for p in rank_local_parameters(model)):
@@ -90,7 +91,7 @@ def _view_mesh(model: nn.Module) -> DeviceMesh | None:
 
 def _dim0(holder: nn.Module) -> int:
     """Dim 0 of a full expert weight: the experts, or their rows for flat ``[E*R, C]`` layouts (DBRX)."""
-    return holder.hp_expert_parallel.num_experts * (holder.hp_layout.flat or 1)
+    return installed.binding(holder).num_experts * (installed.layout(holder).flat or 1)
 
 
 def _global_view(t: torch.Tensor, num_experts: int, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -129,15 +130,16 @@ def _views(model: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
     return model_sd, optim_sd
 
 
-def save(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None:
-    """Save model (and optimizer, if given) with DCP. Collective: every rank calls it."""
+def save_checkpoint(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike) -> None:
+    """Save model (and optimizer, if given) with torch.distributed.checkpoint, resumable at another EP size
+    and sharding. Collective: every rank calls it."""
     model_sd, optim_sd = _views(model, optimizer)
     state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
     dcp.save(state, checkpoint_id=str(checkpoint_dir))
 
 
-def load(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike, model_weights: bool = True) -> None:
-    """Load what :func:`save` wrote into ``model`` (and ``optimizer``), at any EP size and world
+def load_checkpoint(model: nn.Module, optimizer, checkpoint_dir: str | os.PathLike, model_weights: bool = True) -> None:
+    """Load what :func:`save_checkpoint` wrote into ``model`` (and ``optimizer``), at any EP size and world
     whose experts divide as the plan says; the optimizer's state alone with ``model_weights=False``.
     Collective."""
     inner = rewritten_model(model)

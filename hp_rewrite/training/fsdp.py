@@ -30,11 +30,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard
 
+from ..loading.record import info_of, rewritten_model
+from ..runtime import installed
 from ..runtime.compute.quantized import QuantizedWeight
 from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import EP_DIM, backend_name, check_mesh
 from ..sync.gradients import rank_local_modules
-from . import info_of, peft_model_of, rewritten_model
+from .rewritten import peft_model_of
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ def _expert_placement(shard_size: int):
 def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise ExpertParallelError(f"{what} needs torch.distributed initialised (launch with torchrun)")
-    split = [type(h).__name__ for h in holders if h.hp_layout.split]
+    split = [type(h).__name__ for h in holders if installed.layout(h).split]
     if split:
         raise ExpertParallelError(
             f"{what}: {split[0]} holds its experts' weights in two sub-modules that its expert-parallel "
             "forward reads directly, beside its router; FSDP2 cannot unshard them around that forward. Train "
             "this model with DDP or hp_rewrite.sync_gradients (its experts are already split over the EP ranks)"
         )
-    if any(h.hp_expert_parallel.options.defer_expert_grads for h in holders):
+    if any(installed.binding(h).options.defer_expert_grads for h in holders):
         raise ExpertParallelError(
             f"{what}: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "
             "runtime.defer_expert_grads: false in the plan to train with FSDP2"
@@ -111,7 +113,7 @@ def shard_experts(
     inner = rewritten_model(model)
     info = info_of(model, what)
     ep = info.ep
-    holders = [m for m in inner.modules() if getattr(m, "hp_expert_parallel", None) is not None]
+    holders = [m for m in inner.modules() if installed.binding(m) is not None]
     _refuse_unshardable(inner, holders, what)
     mesh = mesh if mesh is not None else ep.mesh  # the mesh the model's EP groups come from
     check_mesh(mesh, ep.size)  # its 'ep' groups are then the model's: the same consecutive ranks
@@ -130,7 +132,7 @@ def shard_experts(
         for p in module.parameters():
             p.hp_ep_group = ep.group  # hp_rewrite.clip_grad_norm_: these norms also sum over the EP group
     for h in holders:
-        h.hp_fsdp_sharded = True  # the engine guard accepts these DTensor experts
+        installed.state_of(h).fsdp_sharded = True  # the engine guard accepts these DTensor experts
     info.fsdp = views
     return views
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..runtime import installed
 from ..runtime.errors import ExpertParallelError
 
 
@@ -41,8 +42,8 @@ def rank_and_world() -> tuple[int, int]:
 
 def expert_layout(model) -> list[list[int]]:
     """Which experts this rank holds, per experts holder: a saved state resumes only onto the same."""
-    return [list(m.hp_expert_parallel.placement.local_experts) for m in model.modules()
-            if getattr(m, "hp_expert_parallel", None) is not None]
+    return [list(installed.binding(m).placement.local_experts) for m in model.modules()
+            if installed.binding(m) is not None]
 
 
 def write_atomically(obj, path: Path) -> Path:

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 
 import torch
 
+from ..loading.record import record_of, rewritten_model
 from ..loading.weights import checkpoint_weights
 from ..runtime.errors import ExpertParallelError
 from ..runtime.routing.replay import Routes, replay_disagreement, replay_routing
-from . import rewritten_model
 from .rollout import Rollout, place_rollouts, routes_of_placed
 
 
@@ -141,7 +141,7 @@ def install_rollout_replay(trainer) -> None:
     same model) replays the experts vLLM chose for them (R3); ``moe/replay_disagreement`` logs how often
     the routers, left alone, would have chosen otherwise."""
     model = rewritten_model(trainer.model)
-    if model is None or not model.hp_rewrite.plan.routing.replay_rollout or getattr(trainer, "hp_rollouts", None):
+    if model is None or not record_of(model).plan.routing.replay_rollout or getattr(trainer, "hp_rollouts", None):
         return
     generation = getattr(trainer, "vllm_generation", None)
     _refuse_replay(trainer, generation)

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..loading.record import info_of, record_of, rewritten_model
+from ..runtime import installed
 from ..runtime.errors import ExpertParallelError
 from ..runtime.routing.aux_loss import is_wrapped, wrap_forward
 from ..runtime.routing.routing_load import LayerCounts, ModelRouting, router_parameters
-from . import info_of, rewritten_model
 
 #: beside a prepared Trainer's checkpoints (its ``output_dir``) or in an Accelerator's ``project_dir``
 ROUTING_LOG = "hp_rewrite_routing.jsonl"
@@ -116,7 +117,7 @@ def refuse_trainable_routers(model: nn.Module, what: str) -> None:
     """``routing.freeze_router``: a router parameter that trains anyway (an adapter on the router, PEFT's
     ``modules_to_save``, ``requires_grad_(True)`` after loading) is refused by name."""
     inner = rewritten_model(model)
-    if not inner.hp_rewrite.plan.routing.freeze_router:
+    if not record_of(inner).plan.routing.freeze_router:
         return
     training = [n for n, p in router_parameters(model).items() if p.requires_grad]
     if training:
@@ -179,7 +180,7 @@ def prepare_trainer_routing(trainer) -> None:
 
     refuse_trainable_routers(trainer.model, "prepare_trainer")
     inner = rewritten_model(trainer.model)
-    losses = vars(inner).get("hp_router_losses")
+    losses = installed.router_losses(inner)
     if losses is not None:
         losses.loss_scale = _trainer_aux_scale(trainer)
         if losses.z_coef:

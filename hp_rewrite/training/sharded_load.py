@@ -31,7 +31,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..hf import loading_info, log_loading_report, quiet_transformers
 from ..loading import local
-from ..loading.patch import DEFAULT_ARTIFACT_DIR, RewriteInfo, attach, expert_parallel_group_for, resolve_plan
+from ..loading.patch import DEFAULT_ARTIFACT_DIR, attach, expert_parallel_group_for, resolve_plan
+from ..loading.record import RewriteInfo, record_of
 from ..runtime.errors import ExpertParallelError
 from .fsdp import fully_shard
 
@@ -155,5 +156,5 @@ def load_fully_sharded(model_dir: str | Path, plan=None, *, mesh: DeviceMesh | N
     model._adjust_missing_and_unexpected_keys(info)
     log_loading_report(model, model_dir, info)  # transformers' report of what the checkpoint lacks or adds
     model.eval()
-    model.hp_rewrite.load_report = loading.report()
+    record_of(model).load_report = loading.report()
     return model

@@ -34,12 +34,13 @@ import torch
 from transformers import TrainerCallback
 
 from ..loading.adapters import has_expert_adapters
+from ..loading.record import record_of, rewritten_model
 from ..loading.save import save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
-from . import peft_model_of, rewritten_model
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
+from .rewritten import peft_model_of
 from .rl import install_rollout_replay, install_weight_sync
 from .routing import prepare_trainer_routing
 from .trainer_fsdp import prepare_fsdp2_trainer, save_beside_model
@@ -140,9 +141,9 @@ def prepare_trainer(trainer):
             "prepare_trainer: the Trainer's model was not rewritten by hp-rewrite; load it with "
             "hp_rewrite.auto_patch / hp_rewrite.from_pretrained"
         )
-    if model.hp_rewrite.ep.tp_size > 1:
+    if record_of(model).ep.tp_size > 1:
         raise ExpertParallelError(
-            f"prepare_trainer: a model split over TP groups (tp_size {model.hp_rewrite.ep.tp_size}) is not supported "
+            f"prepare_trainer: a model split over TP groups (tp_size {record_of(model).ep.tp_size}) is not supported "
             "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
@@ -155,7 +156,7 @@ def prepare_trainer(trainer):
     install_rollout_replay(trainer)  # routing.replay_rollout: the training forwards replay vLLM's routes
     if getattr(trainer, "is_fsdp_enabled", False):
         return prepare_fsdp2_trainer(trainer, _save_model, peft)
-    if peft and (model.hp_rewrite.ep.size == 1 or not has_expert_adapters(model)):
+    if peft and (record_of(model).ep.size == 1 or not has_expert_adapters(model)):
         return trainer  # adapters on replicated weights only: Trainer's own saving is exact
     if getattr(trainer, "hp_rewrite_callback", None) is not None:
         return trainer

@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 
 from ..runtime.errors import ExpertParallelError
-from . import refuse_unsaved_trainables
 from .accelerator import prepare_accelerator
-from .checkpoint import load as load_checkpoint
-from .checkpoint import save as save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .fsdp import clip_grad_norm_
 from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
+from .rewritten import refuse_unsaved_trainables
 
 #: the checkpoint folder's model-and-optimizer state
 FSDP_FOLDER = "hp_rewrite_fsdp"

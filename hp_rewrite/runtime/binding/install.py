@@ -9,53 +9,37 @@ accepts either
 * a :class:`LocalBatch` from :func:`experts_and_combine`: only the local expert compute (block-level
   rewrite; calling through the module keeps FSDP hooks firing).
 
-The original bound forward stays reachable as ``module.hp_original_forward``; after every call,
-``module.hp_last_stats`` holds the last dispatch's :class:`DispatchStats` (device tensors, no host sync).
+What it installs lives in :mod:`hp_rewrite.runtime.installed`: the original bound forward stays
+reachable as ``installed.original_forward(module)``; after every call, ``installed.last_stats(module)``
+holds the last dispatch's :class:`DispatchStats` (device tensors, no host sync).
 """
 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ... import kernels
+from .. import installed
 from ..compute import expert_modules
 from ..compute.experts import (
     ExpertsLayout,
     LocalBatch,
     experts_implementation_of,
     holder_of,
+    keep_local_experts,
     local_experts_forward,
-    shard_experts,
 )
 from ..errors import ExpertParallelError
 from ..group.groups import ExpertParallelGroup, ExpertPlacement
 from ..options import RuntimeOptions
 from ..overlap.context import ExchangeRuntime
 from ..pipeline.dispatch import dispatch, experts_and_combine
-from ..routing.replay import LayerRoutes
+from ..pipeline.layer import ExpertParallelBinding
 from ..routing.routers import from_dispatch_masks
-
-
-@dataclass(frozen=True)
-class ExpertParallelBinding:
-    """What an installed experts holder knows about its EP setting."""
-
-    ep: ExpertParallelGroup
-    placement: ExpertPlacement
-    options: RuntimeOptions
-    # the deferred-gradient queue and turn hook its exchanges get (the model's, shared by its layers)
-    runtime: ExchangeRuntime = field(default_factory=ExchangeRuntime, compare=False, repr=False)
-    zero_experts: int = 0  # identity experts after the routed ones: computed locally, never dispatched
-    # what routing replay keeps and hands out for this layer (runtime.routing.replay)
-    routes: LayerRoutes = field(default_factory=LayerRoutes, compare=False, repr=False)
-
-    @property
-    def num_experts(self) -> int:
-        return self.placement.num_experts
 
 
 def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_weights=None,
@@ -64,11 +48,11 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
     archetype's generated function calls it). ``top_k_index`` may also be one-hot dispatch masks
     ``[T, K, E]`` (Switch Transformers'); ``eval_scale`` multiplies the output in eval mode."""
     if isinstance(hidden, LocalBatch):
-        return local_experts_forward(self, hidden, self.hp_layout)
+        return local_experts_forward(self, hidden, installed.layout(self))
     if top_k_index is not None and top_k_index.dim() == 3 and top_k_weights.dim() == 2 and \
-            top_k_index.shape[-1] == self.hp_expert_parallel.num_experts:  # masks [T, K, E], weights [T, K]
+            top_k_index.shape[-1] == installed.binding(self).num_experts:  # masks [T, K, E], weights [T, K]
         top_k_index, top_k_weights = from_dispatch_masks(top_k_index, top_k_weights)
-    state = dispatch(hidden, top_k_index, top_k_weights, binding=self.hp_expert_parallel)
+    state = dispatch(hidden, top_k_index, top_k_weights, binding=installed.binding(self))
     out = experts_and_combine(state, self, via_call=False)
     if eval_scale != 1.0 and not self.training:
         out = out * eval_scale
@@ -86,7 +70,7 @@ def binding_of(experts: nn.Module) -> ExpertParallelBinding:
     holder = holder_of(experts)
     if holder is None:
         raise ExpertParallelError(f"{type(experts).__name__} is not an expert-parallel experts holder")
-    return holder.hp_expert_parallel
+    return installed.binding(holder)
 
 
 def install_expert_parallel(
@@ -116,7 +100,7 @@ def install_expert_parallel(
             f"{ep.rank}/{ep.size}"
         )
     layout = ExpertsLayout.of(experts)
-    if getattr(experts, "hp_expert_parallel", None) is not None:
+    if installed.binding(experts) is not None:
         raise RuntimeError(f"{type(experts).__name__} is already expert-parallel")
     _, problem = kernels.compute_for(options.compute, experts_implementation_of(experts))
     if problem is not None:  # here, before anything is sharded; a later set_experts_implementation: at forward
@@ -130,15 +114,14 @@ def install_expert_parallel(
         raise ExpertParallelError(f"{type(experts).__name__} holds {len(layout.expert_keys)} expert modules, "
                                   f"expected num_experts={num_experts}")
     if shard and ep.size > 1:
-        shard_experts(experts, num_experts, placement.local_experts)
+        keep_local_experts(experts, num_experts, placement.local_experts)
     if layout.modules:  # the expert modules kept, under their original keys, in local order
         layout = replace(layout, held_keys=tuple(layout.expert_keys[e] for e in placement.local_experts))
         expert_modules.with_forward_class(experts)
-    experts.hp_layout = layout
-    experts.hp_expert_parallel = ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime(),
-                                                       layout.zero_experts)
+    installed.set_state(experts, installed.HolderState(
+        ExpertParallelBinding(ep, placement, options, runtime or ExchangeRuntime(), layout.zero_experts), layout))
     if bind_forward:
-        experts.hp_original_forward = experts.forward
+        installed.keep_original_forward(experts)
         experts.forward = types.MethodType(expert_parallel_forward, experts)
     return experts
 
@@ -147,7 +130,7 @@ def exchange_runtimes(model: nn.Module) -> list[ExchangeRuntime]:
     """The exchange runtimes of the holders installed in ``model`` (one for a rewritten model)."""
     found: dict[int, ExchangeRuntime] = {}
     for m in model.modules():
-        binding = getattr(m, "hp_expert_parallel", None)
+        binding = installed.binding(m)
         if binding is not None:
             found.setdefault(id(binding.runtime), binding.runtime)
     return list(found.values())
@@ -157,14 +140,14 @@ def expert_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Every expert weight of the holders installed in ``model``: its parameter name in the model ->
     (holder, its name below the holder; a path for flat layouts such as DBRX's ``mlp.w1``)."""
     return {f"{path}.{w}" if path else w: (h, w) for path, h in model.named_modules()
-            if getattr(h, "hp_expert_parallel", None) is not None for w in h.hp_layout.weight_names}
+            if installed.binding(h) is not None for w in installed.layout(h).weight_names}
 
 
 def local_rows(holder: nn.Module, weight: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, an unsharded tensor of the holder's ``weight`` (the reference
     model's weight or gradient): its experts' rows, plus the zero experts' rows every rank keeps.
     Experts held as modules keep the unmodified model's names: ``full`` is the local tensor already."""
-    layout, placement = holder.hp_layout, holder.hp_expert_parallel.placement
+    layout, placement = installed.layout(holder), installed.binding(holder).placement
     if layout.modules:
         return full
     rows = list(layout.rows_of(weight, placement.local_experts, placement.num_experts))

@@ -21,6 +21,7 @@ from torch import nn
 
 from ... import kernels
 from ...kernels import KernelChoice, KernelProblem, npu, torch_grouped
+from .. import installed
 from ..errors import ExpertParallelError
 from ..overlap.deferred import DeferredGroupedMM, grouped_grad_sink, refuse_hooked
 from . import expert_modules, grouped_op, quantized
@@ -33,7 +34,7 @@ _SEPARATE_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _FLAT_NAMES = (*_SEPARATE_NAMES, ("w1", "v1", "w2"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertsLayout:
     """Where an experts holder keeps its weights and how to apply them.
 
@@ -189,7 +190,8 @@ class ExpertsLayout:
             return None
         if not any(callable(getattr(module, a, None)) for a in ("act_fn", "activation_fn", "activation")):
             return None
-        return cls("fused", f"{up}.weight", f"{down}.weight", None, w_up.shape[1] == 2 * width, split=True)
+        return cls(kind="fused", up=f"{up}.weight", down=f"{down}.weight", gated=w_up.shape[1] == 2 * width,
+                   split=True)
 
     @classmethod
     def flat_of(cls, module: nn.Module) -> ExpertsLayout | None:
@@ -210,7 +212,7 @@ class ExpertsLayout:
                 if rows % n or rows == n:
                     continue
                 gate, up, down = (f"{prefix}.{x}" for x in names)
-                return cls("separate", up, down, gate, True, False, flat=rows // n, down_transposed=True)
+                return cls(kind="separate", up=up, down=down, gate=gate, flat=rows // n, down_transposed=True)
         return None
 
     @classmethod
@@ -221,9 +223,10 @@ class ExpertsLayout:
             return None
         w = lambda n: f"{n}.weight"  # noqa: E731
         b = lambda n, has: f"{n}.bias" if has else None  # noqa: E731
-        return cls("separate" if r.gate else "fused", w(r.up), w(r.down), w(r.gate) if r.gate else None,
-                   r.gate is not None, False, b(r.up, r.up_bias), b(r.down, r.down_bias),
-                   b(r.gate, r.gate_bias) if r.gate else None, expert_keys=r.keys, module_act=r.activation)
+        return cls(kind="separate" if r.gate else "fused", up=w(r.up), down=w(r.down),
+                   gate=w(r.gate) if r.gate else None, gated=r.gate is not None, up_bias=b(r.up, r.up_bias),
+                   down_bias=b(r.down, r.down_bias), gate_bias=b(r.gate, r.gate_bias) if r.gate else None,
+                   expert_keys=r.keys, module_act=r.activation)
 
     @classmethod
     def of(cls, module: nn.Module) -> ExpertsLayout:
@@ -250,23 +253,10 @@ class ExpertsLayout:
 
         for gate, up, down in _SEPARATE_NAMES:
             if gate in params and up in params and down in params:
-                transposed = getattr(module, "is_transposed", None)
-                if transposed is None:
-                    transposed = params[gate].shape[1] == params[down].shape[2] and not (
-                        params[gate].shape[2] == params[down].shape[1]
-                    )
-                return cls(
-                    "separate",
-                    up,
-                    down,
-                    gate,
-                    True,
-                    bool(transposed),
-                    bias(up),
-                    bias(down),
-                    bias(gate),
-                    bool(getattr(module, "has_post_expert_norm", False)),
-                )
+                return cls(kind="separate", up=up, down=down, gate=gate,
+                           transposed=_transposed(module, params[gate], params[down]), up_bias=bias(up),
+                           down_bias=bias(down), gate_bias=bias(gate),
+                           post_norm=bool(getattr(module, "has_post_expert_norm", False)))
         if "down_proj" not in params or not ({"gate_up_proj", "up_proj"} & params.keys()):
             raise ExpertParallelError(
                 f"{type(module).__name__}: no expert weights found; expected 3-D gate_up_proj (or up_proj) + "
@@ -276,24 +266,20 @@ class ExpertsLayout:
         up = "gate_up_proj" if gated else "up_proj"
         if up not in params:
             raise ExpertParallelError(f"{type(module).__name__}: has_gate={gated} but no {up} parameter")
-        transposed = getattr(module, "is_transposed", None)
-        if transposed is None:  # undecorated holder: infer from shapes ([E,out,in] vs [E,in,out])
-            transposed = params[up].shape[1] == params["down_proj"].shape[2] and not (
-                params[up].shape[2] == params["down_proj"].shape[1]
-            )
-        return cls(
-            "fused",
-            up,
-            "down_proj",
-            None,
-            gated,
-            bool(transposed),
-            bias(up),
-            bias("down_proj"),
-            None,
-            bool(getattr(module, "has_post_expert_norm", False)),
-            zero_experts=max(0, params[up].shape[0] - params["down_proj"].shape[0]),
-        )
+        return cls(kind="fused", up=up, down="down_proj", gated=gated,
+                   transposed=_transposed(module, params[up], params["down_proj"]), up_bias=bias(up),
+                   down_bias=bias("down_proj"), post_norm=bool(getattr(module, "has_post_expert_norm", False)),
+                   zero_experts=max(0, params[up].shape[0] - params["down_proj"].shape[0]))
+
+
+def _transposed(module: nn.Module, first: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether 3-D expert weights are stored ``[E, in, out]``, decided once per holder: the
+    ``is_transposed`` flag transformers' experts decorator sets, else (an undecorated holder) from the
+    shapes of the first projection and down (``[E, out, in]`` vs ``[E, in, out]``)."""
+    flag = getattr(module, "is_transposed", None)
+    if flag is not None:
+        return bool(flag)
+    return first.shape[1] == down.shape[2] and not first.shape[2] == down.shape[1]
 
 
 def holder_of(module: nn.Module) -> nn.Module | None:
@@ -301,7 +287,7 @@ def holder_of(module: nn.Module) -> nn.Module | None:
     ``base_layer``, nested once per targeted parameter); None when it is neither."""
     seen = 0
     while module is not None and seen < 16:
-        if getattr(module, "hp_expert_parallel", None) is not None:
+        if installed.binding(module) is not None:
             return module
         module = getattr(module, "base_layer", None)
         module = module if isinstance(module, nn.Module) else None
@@ -545,7 +531,7 @@ def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str, fp8: bool = 
                                   "weights, which are never kept as FP8 codes; set runtime.fp8_gemm: false")
     if layout.modules and name in (layout.gate, layout.up, layout.down):
         return StackedParams([layout.param(module, f"{k}.{name}") for k in layout.held])
-    options = getattr(getattr(module, "hp_expert_parallel", None), "options", None)
+    options = getattr(installed.binding(module), "options", None)
     if not (layout.flat or layout.split):
         kept = quantized.projection_of(module, name, type(module).__name__,
                                        options.dequant_chunk_bytes if options else quantized.CHUNK_BYTES, fp8)
@@ -571,7 +557,7 @@ def _default_gate(act, gate_up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up
 
 
-def shard_experts(module: nn.Module, num_experts: int, keep) -> None:
+def keep_local_experts(module: nn.Module, num_experts: int, keep) -> None:
     """Keep only the experts ``keep`` (global ids, in local row order) in the holder's per-expert parameters.
 
     Used when a full module was built (tests, EP=1 -> EP=n); the loader reads only local experts instead.

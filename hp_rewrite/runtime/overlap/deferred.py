@@ -19,7 +19,7 @@ weights (FSDP, DDP, ``register_post_accumulate_grad_hook``) would not see them, 
 ``torch.autograd.grad`` cannot return them. :func:`refuse_hooked` turns the hook case into an error,
 and a job whose ``.grad`` was taken or replaced before it ran (as FSDP's post-backward would) raises
 instead of adding into a tensor nobody reads. :class:`~.gradients.GradientSync` and
-:func:`~.gradients.sync_gradients` handle deferred gradients.
+:func:`~hp_rewrite.sync.gradients.reduce_gradients` handle deferred gradients.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ the layer's :class:`~.context.ExchangeRuntime`.
 
 Two-phase use (the shared expert is queued before the host read and overlaps the exchange)::
 
-    state = dispatch(x, indices, weights, num_experts=E, ep=ep, options=opts)
+    state = dispatch(x, indices, weights, binding=ExpertParallelBinding.for_experts(E, ep, opts))
     shared = shared_beside(state, shared_expert, x)
     routed = experts_and_combine(state, experts)
 """
@@ -44,16 +44,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ...kernels import npu_permute
+from .. import installed
 from ..compute.batch import LocalBatch
 from ..compute.experts import holder_of, local_experts_forward
 from ..group import tokens
 from ..group.groups import ExpertParallelGroup, ExpertPlacement
 from ..options import RuntimeOptions
-from ..overlap.context import ExchangeRuntime
 from ..overlap.deferred import WeightGradQueue
 from ..transport import comm
 from ..transport.exchange import ON_RANK, PER_SLOT, Chunk, TokenExchange, exchange_for
 from .capacity import apply_capacity, count_per_expert
+from .layer import ExpertParallelBinding
 from .zero_experts import split_zero_experts
 
 
@@ -93,8 +94,8 @@ class Link:
 
 
 @dataclass
-class _Counted:
-    """A dispatch between its count exchange and its host read: what :func:`_launch` needs."""
+class Counted:
+    """Phase 1: the counts are exchanged, the split sizes not read yet; what :func:`_launch` needs."""
 
     bounds: list[slice]
     plans: list
@@ -106,28 +107,53 @@ class _Counted:
 
 
 @dataclass
-class RoutedDispatch:
-    """Pending state between :func:`dispatch` and :func:`experts_and_combine`."""
+class Launched:
+    """Phase 2: the split sizes read (the layer's one host sync), every chunk's token exchange started
+    (at ep 1 with nothing to exchange, the one on-rank chunk: a dispatch starts here)."""
 
-    ep: ExpertParallelGroup
-    options: RuntimeOptions
+    chunks: list[Chunk]
+
+
+class Combined:
+    """Phase 3: the local experts ran and the rows came back; the state is spent."""
+
+
+COMBINED = Combined()
+
+
+@dataclass
+class RoutedDispatch:
+    """One layer's dispatch between :func:`dispatch` and :func:`experts_and_combine`: what it was made
+    with (``binding``), what it decided once (the exchange, where its collectives go, where weight
+    gradients queue) and where it is (``phase``: :class:`Counted` -> :class:`Launched` ->
+    :class:`Combined`)."""
+
+    binding: ExpertParallelBinding
+    phase: Counted | Launched | Combined
     num_tokens: int
     top_k: int
     hidden_shape: torch.Size
     hidden_dtype: torch.dtype
     weights: torch.Tensor
-    chunks: list[Chunk]
     stats: DispatchStats
-    placement: ExpertPlacement
     exchange: TokenExchange  # per slot or deduplicated: chosen once per layer
     link: Link  # the EP group and what the exchanges do where they block
-    weight_grads: WeightGradQueue | None  # where expert weight gradients queue (defer_expert_grads)
-    done: bool = field(default=False)
+    weight_grads: WeightGradQueue | None = None  # where expert weight gradients queue (defer_expert_grads)
     identity: torch.Tensor | None = None  # [T, H] zero (identity) experts' weighted sum, taken locally
     tp_tokens: int | None = None  # under TP: the group's token count; only this rank's share was sent
-    counted: _Counted | None = None  # counts exchanged, split sizes not read yet (:func:`_launch`)
-    runtime: ExchangeRuntime | None = None
     beside: list = field(default_factory=list)  # side streams the current one waits for (:func:`shared_beside`)
+
+    @property
+    def ep(self) -> ExpertParallelGroup:
+        return self.binding.ep
+
+    @property
+    def options(self) -> RuntimeOptions:
+        return self.binding.options
+
+    @property
+    def placement(self) -> ExpertPlacement:
+        return self.binding.placement
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
@@ -140,45 +166,22 @@ def _chunk_bounds(num_tokens: int, chunks: int) -> list[slice]:
     return bounds
 
 
-def dispatch(
-    hidden: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    num_experts: int | None = None,
-    ep: ExpertParallelGroup | None = None,
-    options: RuntimeOptions | None = None,
-    placement: ExpertPlacement | None = None,
-    binding=None,
-    runtime: ExchangeRuntime | None = None,
-    zero_experts: int = 0,
-) -> RoutedDispatch:
+def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
+             binding: ExpertParallelBinding) -> RoutedDispatch:
     """Start the routed exchange of ``hidden [T,H]`` by ``indices/weights [T,K]`` (global expert ids).
 
-    ``binding``: an installed holder's :class:`~.install.ExpertParallelBinding` (``binding_of``),
-    which gives the others (what generated code passes). ``placement`` (default: consecutive
-    experts per rank) must be the one the experts were sharded with. ``runtime``: the deferred-gradient
-    queue and turn hook the exchanges get (default: the binding's, else one for this call only).
-    ``zero_experts``: ids ``num_experts ..`` up to ``num_experts + zero_experts`` are identity experts,
-    summed here as ``w * x`` and added at the combine (:mod:`.zero_experts`); the binding's by default.
+    ``binding``: the layer's :class:`~.layer.ExpertParallelBinding`, an installed holder's
+    (``binding_of``, what generated code passes) or one built for the call
+    (:meth:`~.layer.ExpertParallelBinding.for_experts`): its EP group, its placement (the one the
+    experts were sharded with), its options, the deferred-gradient queue and turn hook the exchanges
+    get, and its identity experts (ids ``num_experts ..`` up to ``num_experts + zero_experts``, summed
+    here as ``w * x`` and added at the combine: :mod:`.zero_experts`).
     """
-    if binding is not None:
-        num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
-        zero_experts = binding.zero_experts
-        runtime = runtime if runtime is not None else binding.runtime
-        binding.routes.note(indices)  # kept for a recomputation or a recording (runtime.routing.replay)
-    if num_experts is None or ep is None or options is None:
-        raise TypeError("dispatch needs binding=, or num_experts=, ep= and options=")
+    num_experts, ep, options, placement = binding.num_experts, binding.ep, binding.options, binding.placement
+    zero_experts, runtime = binding.zero_experts, binding.runtime
+    binding.routes.note(indices)  # kept for a recomputation or a recording (runtime.routing.replay)
     # per slot or deduplicated, torch or NPU permutations: decided here once, not along the way
     exchange = exchange_for(options.dedup, ep.size, npu_permute.wanted(options.compute, hidden.device.type))
-    if runtime is None:
-        runtime = ExchangeRuntime()
-    placement = placement or ExpertPlacement(num_experts, ep.size, ep.rank)
-    if (placement.num_experts, placement.ep_size) != (num_experts, ep.size):
-        raise ValueError(
-            f"placement of {placement.num_experts} experts over {placement.ep_size} ranks used for "
-            f"num_experts={num_experts} at ep_size={ep.size}"
-        )
     n_local = placement.num_local
     hidden = hidden.reshape(-1, hidden.shape[-1])
     tp_tokens = None
@@ -215,10 +218,8 @@ def dispatch(
         stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
         stats.rows_sent = stats.rows_received = chunk.send_splits[0]
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
-        return RoutedDispatch(
-            ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, [chunk], stats, placement,
-            ON_RANK, link, None, identity=identity, tp_tokens=tp_tokens,
-        )
+        return RoutedDispatch(binding, Launched([chunk]), num_tokens, top_k, hidden.shape, hidden.dtype, weights,
+                              stats, ON_RANK, link, identity=identity, tp_tokens=tp_tokens)
     bounds = _chunk_bounds(num_tokens, options.chunks)
     counts, plans = [], []
     for b in bounds:
@@ -229,26 +230,22 @@ def dispatch(
     recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
     per_slot = counts_all.sum(0)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    counted = _Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights)
-    return RoutedDispatch(
-        ep, options, num_tokens, top_k, hidden.shape, hidden.dtype, weights, [], stats, placement,
-        exchange, link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens,
-        counted=counted, runtime=runtime,
-    )
+    return RoutedDispatch(binding, Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights), num_tokens,
+                          top_k, hidden.shape, hidden.dtype, weights, stats, exchange, link,
+                          runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens)
 
 
-def _launch(state: RoutedDispatch) -> None:
+def _launch(state: RoutedDispatch, c: Counted) -> list[Chunk]:
     """Read the layer's split sizes on the host (its one host sync) and start the token exchanges.
 
     Called by :func:`experts_and_combine`, so whatever the block queues between :func:`dispatch` and
     it (the shared expert, :func:`shared_beside`) is on the device before the host waits."""
-    c, state.counted = state.counted, None
     ep, exchange, link, top_k = state.ep, state.exchange, state.link, state.top_k
     n_local, n_chunks, width = state.placement.num_local, len(c.bounds), c.recv.shape[-1]
     host = torch.cat([c.rows_per_dest.reshape(-1), c.recv.reshape(-1)]).tolist()  # every chunk's split sizes
     send_host, recv_host = host[: n_chunks * ep.size], host[n_chunks * ep.size :]
     local_ends = c.recv[:, :, :n_local].sum(0).cumsum(-1).to(torch.int32)  # [chunks, local]: on the device
-    stats = state.stats
+    stats, chunks = state.stats, []
     for i, b in enumerate(c.bounds):
         send_splits = send_host[i * ep.size : (i + 1) * ep.size]
         cells = [recv_host[(s * n_chunks + i) * width : (s * n_chunks + i + 1) * width] for s in range(ep.size)]
@@ -261,10 +258,11 @@ def _launch(state: RoutedDispatch) -> None:
             )
         stats.rows_sent += sum(chunk.send_splits)
         stats.rows_received += sum(chunk.recv_splits)
-        state.chunks.append(chunk)
+        chunks.append(chunk)
     row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype, c.hidden.dtype)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
+    return chunks
 
 
 def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
@@ -276,11 +274,11 @@ def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor)
     expert either. :func:`experts_and_combine` makes the current stream wait for the side stream
     before it returns. Elsewhere (CPU, ep 1, ``overlap: false``, inside ``torch.compile``) a plain call."""
     device = args[0].device
-    if state.counted is None or not state.options.overlap or device.type not in ("cuda", "npu") \
+    if not isinstance(state.phase, Counted) or not state.options.overlap or device.type not in ("cuda", "npu") \
             or torch.compiler.is_compiling():
         return module(*args)
     streams = torch.get_device_module(device)
-    main, side = streams.current_stream(device), state.runtime.side_stream(device)
+    main, side = streams.current_stream(device), state.binding.runtime.side_stream(device)
     side.wait_stream(main)
     with streams.stream(side):
         out = module(*args)
@@ -297,7 +295,7 @@ def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch
     if via_call and holder_of(experts) is not None:
         # through __call__ (of a wrapper too): FSDP and other module hooks fire, PEFT adapters apply
         return experts(batch)
-    return local_experts_forward(experts, batch, getattr(experts, "hp_layout", None))
+    return local_experts_forward(experts, batch, installed.layout(experts))
 
 
 def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: bool = True) -> torch.Tensor:
@@ -305,29 +303,28 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
 
     Chunk c's experts run while chunk c+1's dispatch and chunk c-1's combine are in flight.
     """
-    if state.done:
+    if isinstance(state.phase, Combined):
         raise RuntimeError("experts_and_combine called twice on the same dispatch state")
     holder = holder_of(experts)
-    binding = holder.hp_expert_parallel if holder is not None else None
+    binding = installed.binding(holder) if holder is not None else None
     if binding is not None and binding.placement != state.placement:
         # rows were sent to the ranks of another placement: they would meet the wrong experts
         raise ValueError(
             f"{type(experts).__name__} holds the experts {list(binding.placement.local_experts)}, but the "
             f"dispatch sent this rank the rows of {list(state.placement.local_experts)}: pass "
-            "placement=experts.hp_expert_parallel.placement to dispatch"
+            "binding=binding_of(experts) to dispatch"
         )
-    state.done = True
-    if state.counted is not None:
-        _launch(state)
-    (holder or experts).hp_last_stats = state.stats  # this layer's last dispatch: device tensors, no host sync
-    load = getattr(holder or experts, "hp_routing_load", None)  # plan routing: counts kept for the step
+    phase, state.phase = state.phase, COMBINED  # spent even if what follows raises
+    chunks = _launch(state, phase) if isinstance(phase, Counted) else phase.chunks
+    installed.set_last_stats(holder or experts, state.stats)  # this layer's last dispatch: device tensors, no host sync
+    load = installed.routing_load(holder or experts)  # plan routing: counts kept for the step
     if load is not None:
         load.record(state.stats.tokens_per_expert, state.stats.dropped_per_expert, state.stats.bytes_sent,
                     state.num_tokens, (holder or experts).training)
     exchange, link, k = state.exchange, state.link, state.top_k
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []
-    for chunk in state.chunks:
+    for chunk in chunks:
         x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
         batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill, fp8_gemm=state.options.fp8_gemm)
         y = _run_experts(experts, batch, via_call)
@@ -335,7 +332,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
     outs = [
         exchange.combine(chunk, pending.wait(), state.weights[chunk.tokens], k, hidden_size)
-        for chunk, pending in zip(state.chunks, combines, strict=True)
+        for chunk, pending in zip(chunks, combines, strict=True)
     ]
     for side in state.beside:  # the shared expert, run beside the exchange, is done before it is merged
         torch.get_device_module(side.device).current_stream(side.device).wait_stream(side)
@@ -349,19 +346,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     return out
 
 
-def moe_forward(
-    hidden: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    experts: nn.Module,
-    *,
-    num_experts: int,
-    ep: ExpertParallelGroup,
-    options: RuntimeOptions,
-    placement: ExpertPlacement | None = None,
-    runtime: ExchangeRuntime | None = None,
-) -> torch.Tensor:
+def moe_forward(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: nn.Module, *,
+                binding: ExpertParallelBinding) -> torch.Tensor:
     """One call: dispatch, local experts, combine. Same numerics as the two-phase API."""
-    state = dispatch(hidden, indices, weights, num_experts=num_experts, ep=ep, options=options, placement=placement,
-                     runtime=runtime)
-    return experts_and_combine(state, experts)
+    return experts_and_combine(dispatch(hidden, indices, weights, binding=binding), experts)

@@ -14,17 +14,18 @@ import torch
 from torch import nn
 
 from .dispatch import RoutedDispatch, dispatch, experts_and_combine
+from .layer import ExpertParallelBinding
 
 
 def dispatch_input_scaled(
-    hidden: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, binding, runtime=None
+    hidden: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor, *, binding: ExpertParallelBinding
 ) -> RoutedDispatch:
     """Start the exchange of ``scores[t, k] * hidden[t]`` to expert ``indices[t, k]`` (``[T, K]``)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     rows = hidden.unsqueeze(1) * scores.unsqueeze(-1).to(hidden.dtype)  # [T, K, H]
     slots = indices.reshape(-1, 1)
     ones = torch.ones(slots.shape, dtype=scores.dtype, device=scores.device)
-    return dispatch(rows.reshape(-1, hidden.shape[-1]), slots, ones, binding=binding, runtime=runtime)
+    return dispatch(rows.reshape(-1, hidden.shape[-1]), slots, ones, binding=binding)
 
 
 def combine_input_scaled(state: RoutedDispatch, experts: nn.Module, top_k: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import installed
 from ..errors import ExpertParallelError
 
 
@@ -152,48 +153,48 @@ def install_router_losses(model: nn.Module, *, balance_globally: bool, z_coef: f
     num_experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
     if balance_globally:
         _refuse_other_balancing(model, num_experts, top_k)
-    holders = [m for m in model.modules() if vars(m).get("hp_router") is not None]
-    routers = [(m, m.hp_router.router_module()) for m in holders]
+    holders = [m for m in model.modules() if installed.router(m) is not None]
+    routers = [(m, installed.router(m).router_module()) for m in holders]
     for holder, router in routers:
         weight = getattr(router, "weight", None)
         if router is None or (z_coef and not (isinstance(weight, torch.Tensor) and weight.dim() == 2)):
             what = "routing.aux_loss: global" if router is None else "routing.z_loss_coef"
             raise ExpertParallelError(
-                f"{what}: the router of {type(holder.hp_router.block).__name__} in {name} is not a module with an "
+                f"{what}: the router of {type(installed.router(holder).block).__name__} in {name} is not a module with an "
                 "[experts, hidden] weight; set it back to its default for this model"
             )
     losses = RouterLosses(num_experts or 0, top_k or 0, balance_globally=balance_globally, z_coef=z_coef,
                           tp_size=tp_size)
     for _, router in routers:
         router.register_forward_hook(losses.capture)
-    model.hp_router_losses = losses
+    installed.set_router_losses(model, losses)
     wrap_forward(model)
     return losses
 
 
 def wrap_forward(model: nn.Module) -> None:
     """``model.forward`` (whatever it is now: TRL replaces it with its fused LM head) with the router losses."""
-    model.hp_forward_without_router_losses = model.forward
+    installed.keep_forward_without_router_losses(model)
 
     @functools.wraps(type(model).forward)  # its signature: Trainer keeps the dataset columns it names
     def forward(self, *args, **kwargs):
         return _forward_with_router_losses(self, *args, **kwargs)
 
-    forward.hp_router_losses = True
+    forward.hp_adds_router_losses = True  # a mark on the function, not the model
     model.forward = types.MethodType(forward, model)
 
 
 def is_wrapped(model: nn.Module) -> bool:
-    return getattr(model.forward, "hp_router_losses", False)
+    return getattr(model.forward, "hp_adds_router_losses", False)
 
 
 def _forward_with_router_losses(self, *args, **kwargs):
     """The model's forward; in a forward with gradients its ``aux_loss`` is the global batch's (instead of
     the rank's own) and its ``loss`` holds that and the z-loss. Nested (a forward that calls an earlier
     one), the outer call does it."""
-    losses = self.hp_router_losses
+    losses = installed.router_losses(self)
     if not torch.is_grad_enabled() or losses.captured is not None:  # evaluation, generation; or nested
-        return self.hp_forward_without_router_losses(*args, **kwargs)
+        return installed.forward_without_router_losses(self)(*args, **kwargs)
     text = self.config.get_text_config()
     coef, config_coef = getattr(self, "router_aux_loss_coef", 0.0), getattr(text, "router_aux_loss_coef", None)
     if losses.balance_globally:  # the loss without the rank's own term (TRL's fused head reads the config)
@@ -202,7 +203,7 @@ def _forward_with_router_losses(self, *args, **kwargs):
             text.router_aux_loss_coef = 0.0
     losses.captured = []
     try:
-        out = self.hp_forward_without_router_losses(*args, **kwargs)
+        out = installed.forward_without_router_losses(self)(*args, **kwargs)
         captured = losses.captured
     finally:
         losses.captured = None

@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .. import installed
 from ..errors import ExpertParallelError
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
@@ -201,21 +202,21 @@ class LayerRoutes:
 
 def _layers(model: nn.Module) -> dict[str, LayerRoutes]:
     """The replay state of every rewritten MoE layer of ``model``, by its experts holder's path."""
-    return {name: m.hp_expert_parallel.routes for name, m in model.named_modules()
-            if vars(m).get("hp_expert_parallel") is not None}
+    return {name: installed.binding(m).routes for name, m in model.named_modules()
+            if installed.binding(m) is not None}
 
 
 def install_replay(model: nn.Module, in_recompute: bool) -> None:
     """Hooks on every rewritten block (the model's own block at the experts level too) that force the
     top-k when replaying; ``in_recompute``: checkpointed forwards keep their choice for the recomputation."""
     for name, holder in model.named_modules():
-        binding = vars(holder).get("hp_expert_parallel")
+        binding = installed.binding(holder)
         if binding is None:
             continue
         routes = binding.routes
         routes.name, routes.in_recompute = name, in_recompute
         routes.widths = (binding.num_experts + binding.zero_experts, binding.num_experts)
-        router = vars(holder).get("hp_router")
+        router = installed.router(holder)
         routes.top_k = router.top_k if router is not None else None
         # the router module when it takes the top-k itself (the mode then lives for the routing only)
         target = holder if router is None else router.router_module() if router.chooses else router.block

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.tensor
 from torch import nn
 
+from .. import installed
 from ..errors import ExpertParallelError
 from .replay import inside_backward, inside_checkpoint
 
@@ -143,9 +144,12 @@ class LayerCounts:
     tokens: int
 
 
-def layer_index(name: str, ordinal: int) -> int:
-    """The decoder layer number in a module path (``model.layers.7.mlp.experts`` -> 7), else ``ordinal``."""
-    return next((int(p) for p in name.split(".") if p.isdigit()), ordinal)
+def layer_index(path: str, default: int | None = None) -> int | None:
+    """The decoder layer number in a module path: its first numeric part, the index into the model's
+    outermost layer list (``model.layers.7.mlp.experts`` -> 7; a vision-language model's
+    ``model.language_model.layers.12.mlp`` -> 12; a block nested in a layer,
+    ``model.layers.3.mlp.moe_layers.1`` -> 3, not 1), else ``default``."""
+    return next((int(p) for p in path.split(".") if p.isdigit()), default)
 
 
 class ModelRouting:
@@ -155,10 +159,10 @@ class ModelRouting:
     def __init__(self, holders: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None, *,
                  log: bool = True, bias_update_rate: float = 0.0) -> None:
         self.names = [name for name, _ in holders]
-        self.blocks = [name if h.hp_router.block is h else name.rsplit(".", 1)[0] for name, h in holders]
-        self.loads = [h.hp_routing_load for _, h in holders]
-        self.routers = [h.hp_router for _, h in holders]
-        self.replays = [h.hp_expert_parallel.routes for _, h in holders]
+        self.blocks = [name if installed.router(h).block is h else name.rsplit(".", 1)[0] for name, h in holders]
+        self.loads = [installed.routing_load(h) for _, h in holders]
+        self.routers = [installed.router(h) for _, h in holders]
+        self.replays = [installed.binding(h).routes for _, h in holders]
         self.masters: list[torch.Tensor | None] = [None] * len(holders)  # fp32 copies of biases not in fp32
         self.some_holder = holders[0][1] if holders else None
         self.log, self.bias_update_rate = log, bias_update_rate
@@ -228,10 +232,10 @@ class ModelRouting:
 
 def _holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every experts holder of ``model``, each with its :class:`RouterOf` (installed by hand: none known)."""
-    found = [(name, m) for name, m in model.named_modules() if vars(m).get("hp_expert_parallel") is not None]
+    found = installed.holders(model)
     for _, m in found:
-        if vars(m).get("hp_router") is None:
-            m.hp_router = RouterOf(m, None)
+        if installed.router(m) is None:
+            installed.state_of(m).router = RouterOf(m, None)
     return found
 
 
@@ -241,16 +245,16 @@ def install_routing_loads(model: nn.Module, group: dist.ProcessGroup | None = No
     with ``bias_update_rate`` every layer's router must have a selection bias of one weight per expert."""
     holders = _holders(model)
     for name, m in holders:
-        binding, bias = m.hp_expert_parallel, m.hp_router.bias()
+        binding, bias = installed.binding(m), installed.router(m).bias()
         if bias_update_rate and (bias is None or bias.numel() != binding.num_experts):
             what = "has no selection bias (e_score_correction_bias, expert_bias)" if bias is None else \
                 f"has a selection bias of {bias.numel()} values for {binding.num_experts} routed experts"
             raise ExpertParallelError(
                 f"routing.bias_update_rate: the router of {name.rsplit('.', 1)[0] or name} "
-                f"({type(m.hp_router.block).__name__}) {what}; the update needs one bias per routed expert "
+                f"({type(installed.router(m).block).__name__}) {what}; the update needs one bias per routed expert "
                 "(DeepSeek-V3's routers and their kin): set routing.bias_update_rate: 0 for this model"
             )
-        m.hp_routing_load = ExpertLoad(binding.num_experts)
+        installed.state_of(m).load = ExpertLoad(binding.num_experts)
     return ModelRouting(holders, group, log=log, bias_update_rate=bias_update_rate)
 
 
@@ -258,16 +262,16 @@ def freeze_routers(model: nn.Module) -> None:
     """``routing.freeze_router``: every rewritten layer's router weights and biases (its selection bias
     too, when a parameter) stop requiring gradients, before any engine or optimizer sees them."""
     for name, m in _holders(model):
-        router = m.hp_router.router_module()
+        router = installed.router(m).router_module()
         if router is None:
             raise ExpertParallelError(
                 f"routing.freeze_router: no router module found in {name.rsplit('.', 1)[0] or name} "
-                f"({type(m.hp_router.block).__name__}); freeze its router parameters yourself "
+                f"({type(installed.router(m).block).__name__}); freeze its router parameters yourself "
                 "(requires_grad_(False)) and drop routing.freeze_router"
             )
         for p in router.parameters():
             p.requires_grad_(False)
-        bias = m.hp_router.bias()
+        bias = installed.router(m).bias()
         if isinstance(bias, nn.Parameter):
             bias.requires_grad_(False)
 
@@ -275,6 +279,6 @@ def freeze_routers(model: nn.Module) -> None:
 def router_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Every parameter inside the rewritten layers' router modules (adapters put on them included),
     by its name in ``model``."""
-    ids = {id(p) for _, m in _holders(model) if m.hp_router.router_module() is not None
-           for p in m.hp_router.router_module().parameters()}
+    ids = {id(p) for _, m in _holders(model) if installed.router(m).router_module() is not None
+           for p in installed.router(m).router_module().parameters()}
     return {n: p for n, p in model.named_parameters() if id(p) in ids}

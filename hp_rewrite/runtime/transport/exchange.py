@@ -42,7 +42,8 @@ class Chunk:
     offsets: the same as cumulative ends on the device (int32), computed there from the received count
         cells: what the grouped GEMMs take, with no host-to-device copy.
     exchanges: the dispatch exchanges in flight, one per tensor :meth:`TokenExchange.send` returned.
-    route: what the layer's :class:`TokenExchange` keeps to regroup and combine this chunk.
+    route: what the layer's :class:`TokenExchange` keeps to regroup and combine this chunk (each
+        exchange its own kind, defined beside it).
     """
 
     tokens: slice
@@ -50,7 +51,7 @@ class Chunk:
     recv_splits: list[int]
     local_counts: list[int] | None
     exchanges: list[comm.PendingExchange] = field(default_factory=list)
-    route: Any = None
+    route: _SlotRoute | _OnRankRoute | _DedupRoute | None = None  # set by the exchange's send
     offsets: torch.Tensor | None = None
 
 
