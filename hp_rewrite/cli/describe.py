@@ -47,18 +47,21 @@ def register(sub) -> None:
 def describe_moe(args: DescribeArgs) -> int:
     """Exit 0 with a report (also when there is no MoE); ModelDirError for an unusable directory."""
     from ..errors import ModelDirError
-    from ..hf import build_meta_model, load_config, quiet_transformers
+    from ..hf import load_config, meta_model, quiet_transformers, short_error
     from ..loading.quantized import load_note
     from ..match.diagnosis import diagnose
 
     with quiet_transformers():
         config = load_config(args.model_dir, args.trust_remote_code)
         try:
-            model, note = build_meta_model(config)
+            model = meta_model(config)
         except ModelDirError as e:
             raise ModelDirError(f"{args.model_dir}/config.json: {e}") from e
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+            raise ModelDirError(f"{args.model_dir}/config.json: transformers cannot build the model from this config "
+                                f"({short_error(e)}); fix the config (or report it upstream) and retry") from e
     checkpoint = load_note(config, str(args.model_dir))  # refuses what cannot be loaded
-    diagnosis = diagnose(model, config).with_note(note).with_checkpoint(checkpoint)
+    diagnosis = diagnose(model, config).with_checkpoint(checkpoint)
     if args.json:  # the document round-trips through Diagnosis records: the kernel line is console-only
         print(json.dumps(diagnosis.to_json(), indent=2))
     else:

@@ -7,8 +7,8 @@
 - :mod:`.checkpoints`: the weight conversions the loaders apply (:func:`core_model_loading`,
   :func:`model_conversion_mapping`), quantisers, the original format, shard sizes;
 - :mod:`.models`: the class that builds a config's model (:func:`auto_class_for`) and building it
-  (:func:`instantiate` from a class; :func:`meta_model` on the meta device, :func:`build_meta_model`
-  also for a config the Auto classes reject; :func:`pretrained_model` with from_pretrained).
+  (:func:`instantiate` from a class, :func:`meta_model` on the meta device, :func:`pretrained_model`
+  with from_pretrained; :func:`pretrained_class_for` the class that loads a checkpoint).
 
 Shrinking a config to a tiny one is :mod:`hp_rewrite.hf.shrink`. transformers is imported inside the
 functions, never at import time. This package imports nothing of hp-rewrite but :mod:`hp_rewrite.errors`.
@@ -46,7 +46,6 @@ from .config import (
 from .logs import log_loading_report, progress_bar, quiet_transformers, short_error, transformers_logger
 from .models import (
     auto_class_for,
-    build_meta_model,
     instantiate,
     meta_model,
     pretrained_class_for,
@@ -57,7 +56,6 @@ from .models import (
 __all__ = [
     "auto_class_for",
     "auto_config",
-    "build_meta_model",
     "config_mapping",
     "core_model_loading",
     "deepspeed_zero3",

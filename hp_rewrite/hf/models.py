@@ -11,7 +11,7 @@ import inspect
 from ..errors import ModelDirError
 from .checkpoints import dequantizing_config, quant_method
 from .config import auto_config, is_config, is_remote_config
-from .logs import quiet_transformers, short_error
+from .logs import quiet_transformers
 
 # Auto classes in order of preference; the first whose mapping has the config class is used.
 _AUTO_CLASSES = (
@@ -102,46 +102,12 @@ def instantiate(cls: type, config, dtype=None, attn_implementation: str | None =
 def meta_model(config, dtype=None, attn_implementation: str | None = "eager"):
     """The model of ``config`` on the meta device (structure only, no weights read or allocated),
     built with :func:`auto_class_for`'s class and eager attention (None: transformers' choice), in
-    ``dtype`` when given."""
+    ``dtype`` when given. transformers' own errors pass through."""
     import torch
 
     cls = auto_class_for(config)
     with torch.device("meta"), quiet_transformers():
         return instantiate(cls, config, dtype, attn_implementation)
-
-
-def build_meta_model(config):
-    """``(model, note)``: :func:`meta_model`; for a config whose Auto class rejects it ("Unrecognized
-    configuration class"), the model class its modeling module declares, built directly, with a note
-    saying so (else ``note`` is None). Raises :class:`ModelDirError` when neither builds."""
-    import torch
-
-    try:
-        return meta_model(config), None
-    except Exception as first:  # noqa: BLE001 - transformers raises many kinds here
-        try:
-            cls = auto_class_for(config)
-        except ModelDirError:
-            cls = None
-        if cls is None or "Unrecognized configuration class" not in str(first):
-            raise ModelDirError(
-                f"transformers cannot build the model from this config ({short_error(first)}); "
-                "fix the config (or report it upstream) and retry"
-            ) from first
-        try:
-            with torch.device("meta"):
-                model = instantiate(cls, config)
-        except Exception as e:  # noqa: BLE001
-            raise ModelDirError(
-                f"transformers cannot build the model from this config: AutoModelForCausalLM / AutoModel do "
-                f"not take it, and {cls.__name__} raised {short_error(e)}; fix the config (or report it "
-                "upstream) and retry"
-            ) from e
-        note = (
-            f"described from {type(model).__name__}, built directly: `hp-rewrite apply` builds models with "
-            f"AutoModelForCausalLM / AutoModel, which cannot build this config ({short_error(first, 160)})"
-        )
-        return model, note
 
 
 def pretrained_model(name_or_path, config=None, **kwargs):

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..runtime import installed
-from ..runtime.compute.experts import holder_of
+from ..runtime.compute.experts import holder_of, wrapped
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_modules
 from .record import record_of
@@ -83,7 +83,8 @@ def _wrappers(module: nn.Module, path: str):
     holder = holder_of(module)
     while module is not holder:
         yield path, module
-        module, path = module.base_layer, f"{path}.base_layer" if path else "base_layer"
+        attr, module = wrapped(module)
+        path = f"{path}.{attr}" if path else attr
 
 
 def expert_adapters(model: nn.Module) -> tuple[list[ExpertAdapter], list[str]]:

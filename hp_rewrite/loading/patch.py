@@ -35,7 +35,7 @@ from ..runtime.routing.routing_load import freeze_routers, install_routing_loads
 from ..sync.engines import install_engine_guard
 from ..sync.generation import install_lockstep_generation
 from .rank0 import rank0_first
-from .record import RewriteInfo, record_of, set_record
+from .record import RewriteInfo, record_here, set_record
 from .world import ensure_world
 
 PLAN_ENV = "HP_REWRITE_PLAN"
@@ -75,7 +75,7 @@ def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None =
     from ..match.generate import ensure_artifact
     from .install import install
 
-    if record_of(model) is not None:
+    if record_here(model) is not None:
         return model
     refuse_wrapped(model)
     ep = ep or expert_parallel_group_for(plan, mesh, single_process)

@@ -58,6 +58,12 @@ def record_of(model: nn.Module) -> RewriteInfo | None:
     return None if inner is None else vars(inner)[_RECORD]
 
 
+def record_here(model: nn.Module) -> RewriteInfo | None:
+    """The record of ``model`` itself, or of the model a PEFT wrapper forwards attribute lookups to; not
+    through DDP or another container (a model wrapped before its rewrite is refused by name instead)."""
+    return getattr(model, _RECORD, None)
+
+
 def info_of(model: nn.Module, what: str) -> RewriteInfo:
     """:func:`record_of`, or a clear error naming ``what`` needed it."""
     info = record_of(model)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from torch import nn
 
 from ..errors import SelectionError
-from ..hf import build_meta_model, is_remote_config, quiet_transformers, short_error, top_k_of
+from ..hf import is_remote_config, meta_model, quiet_transformers, short_error, top_k_of
 from ..hf.shrink import tiny_config
 from ..plan import DEFAULT_PLAN
 from .archetype import Archetype, MatchResult, layout_name
@@ -184,9 +184,6 @@ class Diagnosis:
             "router with one logit per expert; nothing for hp-rewrite to do (train it data-parallel as is)"
         )
 
-    def with_note(self, note: str | None) -> Diagnosis:
-        return replace(self, notes=(*self.notes, note)) if note else self
-
     def with_checkpoint(self, checkpoint: str | None) -> Diagnosis:
         return replace(self, checkpoint=checkpoint)
 
@@ -233,7 +230,7 @@ def _match_via_small_copy(model: nn.Module, config, size: int) -> tuple[list[Mat
     from the same classes in a shrunk copy of ``config`` (same code paths, tiny sizes). ``size``: bytes."""
     gib = f"{size / 2**30:.1f} GiB"
     try:
-        small = _analyze(build_meta_model(tiny_config(config))[0])
+        small = _analyze(meta_model(tiny_config(config)))
         known = {_class_key(r.structure): r for r in small.matched + small.unmatched}
         why = ""
     except Exception as e:  # noqa: BLE001 - the shrunk copy is a convenience; say why it failed

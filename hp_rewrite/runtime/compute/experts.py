@@ -283,16 +283,27 @@ def _transposed(module: nn.Module, first: torch.Tensor, down: torch.Tensor) -> b
 
 
 def holder_of(module: nn.Module) -> nn.Module | None:
-    """The expert-parallel holder ``module`` is or wraps (PEFT's ``ParamWrapper`` keeps it as
-    ``base_layer``, nested once per targeted parameter); None when it is neither."""
+    """The expert-parallel holder ``module`` is or wraps, the one place PEFT's wrappers are seen
+    through: a ``ParamWrapper`` or LoRA layer keeps it as ``base_layer`` (nested once per targeted
+    parameter), a ``ModulesToSaveWrapper`` as ``original_module`` (its trained copy beside it is
+    refused by name where state dicts are taken); None when it is neither."""
     seen = 0
     while module is not None and seen < 16:
         if installed.binding(module) is not None:
             return module
-        module = getattr(module, "base_layer", None)
-        module = module if isinstance(module, nn.Module) else None
+        module = wrapped(module)[1]
         seen += 1
     return None
+
+
+def wrapped(module: nn.Module) -> tuple[str, nn.Module | None]:
+    """``(attribute, module)`` that a PEFT wrapper wraps: ``base_layer`` or ``original_module``; ``("", None)``
+    for any other module."""
+    for attr in ("base_layer", "original_module"):
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module):
+            return attr, inner
+    return "", None
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
