@@ -6,8 +6,8 @@ router it belongs to, the routing counts, the last dispatch's statistics, FSDP2'
 rewritten block keeps its own forward. Every other module reads them through the functions below,
 which look at the module's own attributes only: a wrapper that forwards attribute lookups (PEFT's
 ``PeftModel`` and ``LoraModel`` forward to the model they wrap) never passes for what it wraps. A
-wrapper that holds a holder as ``base_layer`` (PEFT's ``ParamWrapper``) is resolved explicitly, by
-:func:`hp_rewrite.runtime.compute.experts.holder_of`.
+wrapper that holds a holder (PEFT's ``ParamWrapper`` as ``base_layer``, its ``ModulesToSaveWrapper``
+as ``original_module``) is resolved explicitly, by :func:`hp_rewrite.runtime.compute.experts.holder_of`.
 
 This module imports nothing of the runtime at run time (the types are for readers), so every room can
 use it.
