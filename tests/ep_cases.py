@@ -289,6 +289,8 @@ def _routing_bias(kind: str, ep_size: int) -> torch.Tensor:
         bias[local:] = -1e4
     elif kind == "starve_last":  # nobody routes to the last rank's experts
         bias[E - local :] = -1e4
+    elif kind == "hot_expert":  # expert 0 in nearly every token's top-k: hotter than a rank's share at ep > k
+        bias[0] = 6.0
     return bias
 
 
@@ -408,12 +410,22 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         result["grouped_calls"], result["padded"] = grouped_calls.calls, grouped_calls.padded
         result["grouped_ok"] = all(rows > 0 and smallest > 0 for rows, smallest in grouped_calls.calls)
     if opts.defer_expert_grads and ep.size > 1:  # the deferred path ran, and nothing is left queued
-        got_rows = installed.last_stats(ep_blk.experts).rows_received > 0
-        result["deferred_ok"] = (deferred_jobs > 0) == got_rows and len(weight_grads) == 0
+        stats = installed.last_stats(ep_blk.experts)
+        got_rows = stats.rows_received > 0
+        # rows for its own experts defer their weight gradients; a guest's go home through autograd
+        ran = deferred_jobs > 0 if not stats.guests else True
+        result["deferred_ok"] = (ran == got_rows or stats.guests > 0) and len(weight_grads) == 0
     if family == "qwen3" and routing == "natural" and not capacity:  # stats are per global expert
         r = softmax_topk(F.linear(x[sl], ref_blk.gate.weight), 2, renormalize=True)
         want = torch.bincount(r.indices.reshape(-1), minlength=E)
         result["stats_ok"] = bool(torch.equal(installed.last_stats(ep_blk.experts).tokens_per_expert, want))
+    if opts.balance == "auto" and ep.size > 1:  # forced on: rows moved, and the busiest rank got no busier
+        stats = installed.last_stats(ep_blk.experts)
+        moved = torch.tensor([stats.guests, stats.lent])
+        dist.all_reduce(moved, group=ep.group)
+        before, after = stats.imbalance.tolist()
+        result["balance"] = {"guests": int(moved[0]), "lent": int(moved[1]), "before": before, "after": after}
+        result["balance_ok"] = bool(moved[0] > 0 and moved[0] == moved[1] and after <= before)
     if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
         sync_blk = copy.deepcopy(ref_blk)
         sync_opts = RuntimeOptions(**{**case.get("options", {}), "overlap": False})
@@ -438,6 +450,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
             and result.get("stats_ok", True)
             and result.get("deferred_ok", True)
             and result.get("grouped_ok", True)
+            and result.get("balance_ok", True)
         ),
     )
     return result

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.rewrite import generate, install
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.group.groups import ExpertParallelGroup, build_expert_parallel_group
 from hp_rewrite.tiny import build_tiny_model, tiny_config
 from hp_rewrite.verify import gradient_errors
@@ -70,9 +71,11 @@ def compare(model_type: str, out_dir: str, rank: int = 0, world: int = 1, ep_siz
     for name, (_, rel) in gradient_errors(model, ref, ep, world).items():
         errors[f"grad/{name}"] = rel
     worst = max(errors, key=errors.get)
+    stats = [installed.last_stats(h) for _, h in installed.holders(model)]
     return {"patched": patched, "archetypes": [r.archetype.as_dict() for r in analysis.matched],
             "unmatched": [r.reason for r in analysis.unmatched], "worst": worst, "worst_err": errors[worst],
-            "errors": {k: v for k, v in errors.items() if not k.startswith("grad/")}}
+            "errors": {k: v for k, v in errors.items() if not k.startswith("grad/")},
+            "guests": sum(st.guests for st in stats if st is not None)}  # runtime.balance: experts computed for others
 
 
 def host_traffic(model_type: str, out_dir: str, ep_size: int, **runtime) -> dict:

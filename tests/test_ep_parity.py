@@ -40,6 +40,29 @@ NO_DEDUP_CASES = {
 }
 
 
+BALANCE = {"balance": "auto", "balance_threshold": 1.0, "balance_min_rows": 1}
+BALANCE_CASES = {  # runtime.balance forced on: every family and layout, bf16, chunks, capacity, placement, dedup
+    *(f"{f}-fp32" for f in FAMILIES),
+    "qwen3-bf16",
+    "mixtral-bf16",
+    "deepseek_v3-bf16",
+    "gpt_oss-bf16",
+    "skewed",
+    "skewed-chunks4",
+    "forced-top4",
+    "forced-top4-bf16-chunks2",
+    "capacity-probs",
+    "deepseek_v3-chunks2-async-equals-sync",
+    "last-rank-receives-nothing",
+    "rank1-sends-nothing",
+    "placed-interleaved-qwen3",
+    "placed-balanced-deepseek_v3",
+    "ep2-of-4-qwen3-skewed",
+    "forced-top4-no-dedup",
+    "capacity-probs-no-dedup",
+    "qwen3-sync-no-dedup",
+}
+
 DEFER_CASES = {  # runtime.defer_expert_grads: every weight layout, bf16, chunks, capacity, placement, empty ranks
     "qwen3-fp32",
     "gpt_oss-fp32",
@@ -56,6 +79,9 @@ DEFER_CASES = {  # runtime.defer_expert_grads: every weight layout, bf16, chunks
     "placed-balanced-deepseek_v3",
     "forced-top4-no-dedup",
     "ep2-of-4-qwen2",
+    "skewed-balanced",
+    "gpt_oss-bf16-balanced",
+    "hot-expert-balanced",
 }
 
 
@@ -162,6 +188,19 @@ def _cases(world: int) -> list[dict]:
             {"name": "ep2-of-4-qwen3-skewed", "family": "qwen3", "ep": 2, "routing": "skewed"},
             {"name": "ep2-of-4-placed-interleaved-qwen2", "family": "qwen2", "ep": 2, "placement": "interleaved"},
         ]
+    if world > 1:  # runtime.balance forced on (any imbalance, any piece): rows must move, results unchanged
+        cases += [
+            {"name": "hot-expert", "family": "qwen3", "routing": "hot_expert"},
+            {"name": "hot-expert-bf16-chunks2", "family": "deepseek_v3", "routing": "hot_expert", "dtype": "bf16",
+             "options": {"chunks": 2}},
+        ]
+        cases += [
+            {**c, "name": f"{c['name']}-balanced", "options": {**c.get("options", {}), **BALANCE}}
+            for c in cases
+            if c["name"] in BALANCE_CASES or c["name"].startswith("hot-expert")
+        ]
+        cases.append({"name": "skewed-balanced-one-replica", "family": "qwen3", "routing": "skewed",
+                      "options": {**BALANCE, "balance_replicas": 1}})
     if world > 1:  # expert weight gradients deferred into the backward's exchange waits
         cases += [
             {**c, "name": f"{c['name']}-defer", "options": {**c.get("options", {}), "defer_expert_grads": True}}

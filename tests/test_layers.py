@@ -136,8 +136,8 @@ def test_every_package_ships_in_the_wheel() -> None:
 
 #: the runtime's rooms, bottom to top (docs/architecture.md); a room imports only from rooms below it (its floor:
 #: errors, options), never from the runtime's face (hp_rewrite.runtime itself, which re-exports from them)
-ROOMS = (("errors", "installed"), ("options",), ("group", "transport", "routing"), ("overlap",), ("compute",), ("pipeline",),
-         ("binding",))
+ROOMS = (("errors", "installed"), ("options",), ("group", "transport", "routing"), ("overlap",), ("compute",),
+         ("balance",), ("pipeline",), ("binding",))
 ROOM_OF = {room: i for i, rooms in enumerate(ROOMS) for room in rooms}
 
 

@@ -29,6 +29,10 @@ def test_defaults_are_valid() -> None:
         "defer_expert_grads": False,
         "dequant_chunk_mb": 64.0,
         "fp8_gemm": False,
+        "balance": "off",
+        "balance_threshold": 1.1,
+        "balance_min_rows": 1024,
+        "balance_replicas": 2,
     }
     RuntimeOptions(
         compute="eager", chunks=4, capacity_factor=1.25, drop_policy="position", renormalize_kept=True

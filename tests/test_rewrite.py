@@ -104,10 +104,16 @@ def test_zero_experts_match_unmodified(model_type: str, tmp_path: Path) -> None:
 
 _EP2_CASES = [{"name": t, "model_type": t} for t in REQUIRED_FAMILIES + INPUT_SCALED_FAMILIES + ZERO_EXPERT_FAMILIES]
 _EP2_CASES.append({"name": "qwen3_moe-chunks2", "model_type": "qwen3_moe", "runtime": {"chunks": 2}})
+_BALANCE = {"balance": "auto", "balance_threshold": 1.0, "balance_min_rows": 1}  # forced on: any move pays
+_EP2_CASES += [{"name": f"{t}-balanced", "model_type": t, "runtime": {**_BALANCE, **extra}}  # runtime.balance
+               for t, extra in [("qwen3_moe", {"chunks": 2}), ("deepseek_v3", {}), ("gpt_oss", {"dedup": False}),
+                                ("llama4_text", {}), ("longcat_flash", {})]]
 
 
 _HOST_TRAFFIC_CASES = [{"name": f"{t}-chunks{c}", "model_type": t, "runtime": {"chunks": c}}
                        for t in ("qwen3_moe", "deepseek_v3") for c in (1, 2)]
+_HOST_TRAFFIC_CASES += [{"name": f"{t}-balanced", "model_type": t, "runtime": {**_BALANCE, "chunks": 2}}
+                        for t in ("qwen3_moe", "deepseek_v3")]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +145,8 @@ def test_ep2_whole_model_matches_unmodified(case: str, ep2_results: list[dict]) 
         r = results[case]
         assert r["patched"], r
         assert r["worst_err"] <= TOL, f"rank {rank}: {r['worst']} relative error {r['worst_err']:.2e}"
+    if case.endswith("-balanced"):  # forced on: some layer computed another rank's rows
+        assert sum(results[case]["guests"] for results in ep2_results) > 0
 
 
 # ---------------------------------------------------------------------------------------------- codegen

@@ -29,6 +29,7 @@ SharedKind = Literal["auto", "none", "additive", "gated", "scaled"]
 LevelKind = Literal["auto", "block", "experts"]
 ComputeKind = Literal["auto", "grouped", "eager", "npu", "batched"]
 DropPolicy = Literal["probs", "position"]
+BalanceKind = Literal["off", "auto"]
 RouterDtype = Literal["auto", "fp32", "logits"]
 PlacementStrategy = Literal["contiguous", "balanced"]
 AuxLossKind = Literal["micro_batch", "global"]
@@ -124,6 +125,10 @@ class RuntimeSection(_Section):
     dequant_chunk_mb: float = Field(64.0, gt=0, allow_inf_nan=False)
     fp8_gemm: bool = False
     weight_sync_bucket_mb: float = Field(512.0, gt=0, allow_inf_nan=False)
+    balance: BalanceKind = "off"
+    balance_threshold: float = Field(1.1, ge=1, allow_inf_nan=False)
+    balance_min_rows: int = Field(1024, ge=1)
+    balance_replicas: int = Field(2, ge=1)
 
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
@@ -140,6 +145,10 @@ class RuntimeSection(_Section):
             defer_expert_grads=self.defer_expert_grads,
             dequant_chunk_mb=self.dequant_chunk_mb,
             fp8_gemm=self.fp8_gemm,
+            balance=self.balance,
+            balance_threshold=self.balance_threshold,
+            balance_min_rows=self.balance_min_rows,
+            balance_replicas=self.balance_replicas,
         )
 
 
@@ -269,6 +278,12 @@ class Plan(_Section):
             )
         if self.tp_size > 1 and self.runtime.capacity_factor is not None:
             raise ValueError("runtime.capacity_factor with tp_size > 1 is not supported: drop one of them")
+        if self.runtime.balance != "off" and self.tp_size > 1:
+            raise ValueError("runtime.balance: auto with tp_size > 1 (TP-extended EP) is not supported yet: set "
+                             "runtime.balance: off, or tp_size: 1")
+        if self.runtime.balance != "off" and self.routing.replay_rollout:
+            raise ValueError("runtime.balance: auto with routing.replay_rollout: true is not supported yet: set one "
+                             "of them off")
         return self
 
     @field_validator("version")

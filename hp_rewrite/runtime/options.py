@@ -10,8 +10,10 @@ from .errors import ExpertParallelError
 
 ComputeKind = Literal["auto", "grouped", "eager", "npu", "batched"]
 DropPolicy = Literal["probs", "position"]
+BalanceKind = Literal["off", "auto"]
 
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
+BALANCE_KINDS: tuple[str, ...] = ("off", "auto")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,17 @@ class RuntimeOptions:
         (docs/checkpoints.md gives the measured error); dX still goes through the decoded weights.
         Refused for any other expert weight. Off (the default): decoded, exactly the dequantised model.
         The CUDA path has not run on a GPU yet (``tools/device_check.py`` (d) measures it).
+    balance: ``auto``: in every layer and step whose busiest rank has more than ``balance_threshold`` times
+        the mean rows of the EP group, the busiest ranks' hottest experts lend rows, with a transient
+        copy of their weights, to the least loaded ranks, whose weight gradients return to the owner in
+        backward (:mod:`hp_rewrite.runtime.balance`). Exact: the same outputs and gradients. ``off``
+        (the default, as transformers): every row is computed where its expert lives.
+    balance_threshold: the max/mean rows per rank above which a layer balances (>= 1).
+    balance_min_rows: the fewest rows worth one expert's weights on the wire (forward) and its gradient
+        (backward): smaller moves are not made. The default is the break-even on an H100 node
+        (``hp-rewrite cost`` gives it for other hardware); 1 moves any row.
+    balance_replicas: the most experts one rank computes for others in one layer: their weights are held
+        for the backward, like activations.
     """
 
     compute: ComputeKind = "auto"
@@ -63,6 +76,10 @@ class RuntimeOptions:
     defer_expert_grads: bool = False
     dequant_chunk_mb: float = 64.0
     fp8_gemm: bool = False
+    balance: BalanceKind = "off"
+    balance_threshold: float = 1.1
+    balance_min_rows: int = 1024
+    balance_replicas: int = 2
 
     @property
     def dequant_chunk_bytes(self) -> int:
@@ -87,6 +104,14 @@ class RuntimeOptions:
             raise ExpertParallelError(f"defer_expert_grads={self.defer_expert_grads!r}: must be true or false")
         if not isinstance(self.fp8_gemm, bool):
             raise ExpertParallelError(f"fp8_gemm={self.fp8_gemm!r}: must be true or false")
+        if self.balance not in BALANCE_KINDS:
+            raise ExpertParallelError(f"balance={self.balance!r}: choose one of {', '.join(BALANCE_KINDS)}")
+        if not self.balance_threshold >= 1:
+            raise ExpertParallelError(f"balance_threshold={self.balance_threshold!r}: must be >= 1 (max over mean)")
+        for name in ("balance_min_rows", "balance_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ExpertParallelError(f"{name}={value!r}: must be an integer >= 1")
         if not self.dequant_chunk_mb > 0:
             raise ExpertParallelError(f"dequant_chunk_mb={self.dequant_chunk_mb!r}: must be > 0")
 

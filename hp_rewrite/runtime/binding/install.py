@@ -110,6 +110,10 @@ def install_expert_parallel(
             f"runtime.defer_expert_grads: {type(experts).__name__} keeps its experts as modules, whose weights the "
             "grouped GEMMs take stacked (a copy per forward), so their gradients cannot be deferred; set "
             "runtime.defer_expert_grads: false for this model")
+    if options.balance != "off" and ep.size > 1 and (layout.modules or layout.flat or layout.split):
+        raise ExpertParallelError(
+            f"runtime.balance: auto: {type(experts).__name__} holds its experts as modules or as flat or split "
+            "weights; only stacked 3-D expert weights are lent to other ranks so far. Set runtime.balance: off")
     if layout.modules and len(layout.expert_keys) != num_experts:
         raise ExpertParallelError(f"{type(experts).__name__} holds {len(layout.expert_keys)} expert modules, "
                                   f"expected num_experts={num_experts}")

@@ -464,14 +464,15 @@ def _gate_of(module: nn.Module, layout: ExpertsLayout, kind: str):
 
 
 def local_experts_forward(
-    module: nn.Module, batch: LocalBatch, layout: ExpertsLayout | None = None
+    module: nn.Module, batch: LocalBatch, layout: ExpertsLayout | None = None, weights: dict | None = None
 ) -> torch.Tensor:
-    """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert."""
+    """Unweighted expert MLP outputs ``[N, H]`` for rows grouped by local expert (``weights``: other
+    experts' stacked weights by name, run with the module's activation: lent ones, runtime.balance)."""
     layout = layout or ExpertsLayout.of(module)
     if layout.modules and module.training:
         expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
-    weights = {n: _weight_of(module, layout, n, batch.fp8_gemm) for n in layout.roles}
+    weights = weights or {n: _weight_of(module, layout, n, batch.fp8_gemm) for n in layout.roles}
     amp = _autocast_dtype(x)
     choice = kernel_choice(batch.compute, module, x.device.type, amp or x.dtype, layout, weights=weights,
                            weight_dtype=amp)
@@ -483,7 +484,7 @@ def local_experts_forward(
     elif kind == "grouped":
         padded = pad_empty_groups(batch, always=x.device.type == "cuda")  # empty groups: a zero row (.batch)
         if padded is not None:
-            return local_experts_forward(module, padded[0], layout).index_select(0, padded[1])
+            return local_experts_forward(module, padded[0], layout, weights).index_select(0, padded[1])
     if amp is not None and kind in ("grouped", "npu"):  # their ops are not on autocast's list: cast as for a matmul
         x = x.to(amp)
         weights = {n: w if w.dtype == amp else w.to(amp) for n, w in weights.items()}

@@ -45,8 +45,11 @@ from torch import nn
 
 from ...kernels import npu_permute
 from .. import installed
+from ..balance import replicas
+from ..balance.decide import Decision, decide
 from ..compute.batch import LocalBatch
 from ..compute.experts import holder_of, local_experts_forward
+from ..errors import ExpertParallelError
 from ..group import tokens
 from ..group.groups import ExpertParallelGroup, ExpertPlacement
 from ..options import RuntimeOptions
@@ -78,6 +81,9 @@ class DispatchStats:
     rows_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    imbalance: torch.Tensor | None = None  # runtime.balance: [2] max/mean rows per rank before and after
+    lent: int = 0  # runtime.balance: experts whose weights this rank lent / computed for another rank
+    guests: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,10 @@ class Counted:
     rows_per_dest: torch.Tensor  # [chunks, ep] rows this rank sends to each rank, on the device
     recv: torch.Tensor  # [src, chunks, cell] count cells received, on the device
     hidden: torch.Tensor
-    slots: torch.Tensor
+    slots: torch.Tensor  # placement slots, or with runtime.balance virtual ones (.balance.decide)
     weights: torch.Tensor
+    width: int  # slots per rank: the local experts, + guest slots with runtime.balance
+    decision: Decision | None = None  # runtime.balance: what moves where
 
 
 @dataclass
@@ -220,30 +228,37 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
         return RoutedDispatch(binding, Launched([chunk]), num_tokens, top_k, hidden.shape, hidden.dtype, weights,
                               stats, ON_RANK, link, identity=identity, tp_tokens=tp_tokens)
+    decision, width, placed = None, n_local, slots
+    if options.balance == "auto":  # rows of the busiest ranks' hottest experts go to idle ranks (..balance)
+        decision = decide(slots, n_local, ep.group, ep.size, ep.rank, options)
+        slots, width = decision.slots, decision.width
     bounds = _chunk_bounds(num_tokens, options.chunks)
     counts, plans = [], []
     for b in bounds:
-        plans.append(exchange.plan(slots[b], n_local, ep.size))
-        counts.append(count_per_expert(slots[b].reshape(-1), num_experts))
-    counts_all = torch.stack(counts)  # [chunks, E]
-    rows_per_dest, cells = exchange.count_cells(counts_all.view(len(bounds), ep.size, n_local), plans)
+        plans.append(exchange.plan(slots[b], width, ep.size))
+        counts.append(count_per_expert(slots[b].reshape(-1), ep.size * width))
+    counts_all = torch.stack(counts)  # [chunks, ep * width]
+    rows_per_dest, cells = exchange.count_cells(counts_all.view(len(bounds), ep.size, width), plans)
     recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
-    per_slot = counts_all.sum(0)
+    per_slot = counts_all.sum(0) if decision is None else count_per_expert(placed.reshape(-1), num_experts)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    return RoutedDispatch(binding, Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights), num_tokens,
-                          top_k, hidden.shape, hidden.dtype, weights, stats, exchange, link,
-                          runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens)
+    stats.imbalance = None if decision is None else decision.imbalance
+    counted = Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights, width, decision)
+    return RoutedDispatch(binding, counted, num_tokens, top_k, hidden.shape, hidden.dtype, weights, stats, exchange,
+                          link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens)
 
 
-def _launch(state: RoutedDispatch, c: Counted) -> list[Chunk]:
-    """Read the layer's split sizes on the host (its one host sync) and start the token exchanges.
+def _launch(state: RoutedDispatch, c: Counted, holder: nn.Module | None) -> tuple[list[Chunk], replicas.Guests | None]:
+    """Read the layer's split sizes on the host (its one host sync) and start the token exchanges, then
+    with runtime.balance the lent experts' weights (``holder``'s).
 
     Called by :func:`experts_and_combine`, so whatever the block queues between :func:`dispatch` and
     it (the shared expert, :func:`shared_beside`) is on the device before the host waits."""
     ep, exchange, link, top_k = state.ep, state.exchange, state.link, state.top_k
-    n_local, n_chunks, width = state.placement.num_local, len(c.bounds), c.recv.shape[-1]
-    host = torch.cat([c.rows_per_dest.reshape(-1), c.recv.reshape(-1)]).tolist()  # every chunk's split sizes
-    send_host, recv_host = host[: n_chunks * ep.size], host[n_chunks * ep.size :]
+    n_local, n_chunks, width = c.width, len(c.bounds), c.recv.shape[-1]  # n_local: slots per rank, guests included
+    lending = c.decision.host_values() if c.decision is not None else []
+    host = torch.cat([c.rows_per_dest.reshape(-1), c.recv.reshape(-1), *lending]).tolist()  # the split sizes
+    send_host, recv_host = host[: n_chunks * ep.size], host[n_chunks * ep.size : n_chunks * ep.size + c.recv.numel()]
     local_ends = c.recv[:, :, :n_local].sum(0).cumsum(-1).to(torch.int32)  # [chunks, local]: on the device
     stats, chunks = state.stats, []
     for i, b in enumerate(c.bounds):
@@ -262,7 +277,14 @@ def _launch(state: RoutedDispatch, c: Counted) -> list[Chunk]:
     row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype, c.hidden.dtype)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
-    return chunks
+    guests = None
+    if lending and host[-1] > 0:  # anything moves (the same on every rank): all or none exchange weights
+        sends, recvs = host[-1 - 2 * ep.size : -1 - ep.size], host[-1 - ep.size : -1]
+        dtype = torch.get_autocast_dtype(c.hidden.device.type) if torch.is_autocast_enabled(c.hidden.device.type) \
+            else None
+        guests = replicas.lend(holder, installed.layout(holder), c.decision.send_local, sends, recvs, link, dtype)
+        stats.lent, stats.guests = sum(sends), sum(recvs)
+    return chunks, guests
 
 
 def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
@@ -315,7 +337,13 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
             "binding=binding_of(experts) to dispatch"
         )
     phase, state.phase = state.phase, COMBINED  # spent even if what follows raises
-    chunks = _launch(state, phase) if isinstance(phase, Counted) else phase.chunks
+    decision = phase.decision if isinstance(phase, Counted) else None
+    if decision is not None:
+        why = replicas.refusal(experts, holder)
+        if why:
+            raise ExpertParallelError(f"runtime.balance: auto: {why}. Set runtime.balance: off")
+    chunks, guests = _launch(state, phase, holder) if isinstance(phase, Counted) else (phase.chunks, None)
+    width = phase.width if isinstance(phase, Counted) else state.placement.num_local
     installed.set_last_stats(holder or experts, state.stats)  # this layer's last dispatch: device tensors, no host sync
     load = installed.routing_load(holder or experts)  # plan routing: counts kept for the step
     if load is not None:
@@ -325,9 +353,15 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []
     for chunk in chunks:
-        x, held = exchange.expert_rows(chunk, k, state.placement.num_local, hidden_size)
+        x, held = exchange.expert_rows(chunk, k, width, hidden_size)
         batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill, fp8_gemm=state.options.fp8_gemm)
-        y = _run_experts(experts, batch, via_call)
+        if decision is None:
+            y = _run_experts(experts, batch, via_call)
+        else:  # this rank's experts' rows, then its guests' (runtime.balance)
+            mine, theirs = replicas.split(batch, state.placement.num_local, guests.count if guests else 0)
+            y = _run_experts(experts, mine, via_call)
+            if guests is not None:
+                y = torch.cat([y, replicas.guest_rows(holder, installed.layout(holder), guests, theirs, y.shape[-1])])
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
     outs = [

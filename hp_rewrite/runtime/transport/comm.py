@@ -260,3 +260,16 @@ def exchange_counts(
     except RuntimeError as e:
         raise _peer_failure(group, e) from e
     return out
+
+
+def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's integer ``counts [n]`` as ``[ranks, n]``. Not differentiable; on NCCL the wait holds
+    the stream, not the host."""
+    if group is None:
+        return counts.unsqueeze(0)
+    out = counts.new_empty(dist.get_world_size(group) * counts.numel())
+    try:
+        dist.all_gather_single(out, counts.contiguous().view(-1), group=group)
+    except RuntimeError as e:
+        raise _peer_failure(group, e) from e
+    return out.view(-1, *counts.shape)
