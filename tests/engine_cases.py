@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hp_rewrite import sync_gradients
+from hp_rewrite import routing_stats, sync_gradients
 from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime import installed
 from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.sync.gradients import expert_parameters
 from hp_rewrite.tiny import build_tiny_model, tiny_config
-from tests.training_cases import _lm_loss, _worst
+from tests.training_cases import _lm_loss, _worst, count_routing
 
 
 def _optimizer(name: str, params, lr: float):
@@ -60,9 +61,16 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
     accum, per_rank, seq = payload.get("accum", 1), 2, 8
     vocab = ref.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(7)
-    out = {"grad_worst": 0.0, "norms": [], "ref_norms": [], "digests": []}
+    out = {"grad_worst": 0.0, "norms": [], "ref_norms": [], "digests": [], "guests": 0}  # guests: runtime.balance
     for step in range(payload.get("steps", 1)):
         ids = torch.randint(0, vocab, (world * accum * per_rank, seq), generator=gen)
+        if payload.get("routing_logs"):  # a hand count of the unmodified routers' choice on the global batch
+            counts, handles = count_routing(ref)
+            with torch.no_grad():
+                ref(input_ids=ids)
+            for handle in handles:
+                handle.remove()
+            out.setdefault("hand_routing", []).append([counts[i].tolist() for i in sorted(counts)])
         _lm_loss(ref(input_ids=ids).logits, ids).backward()
         micro = ids.view(accum, world, per_rank, seq)[:, rank]  # micro-batch i of this rank
         for i in range(accum):
@@ -70,6 +78,7 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
             ctx = ddp.no_sync() if payload.get("no_sync") and not last else torch.enable_grad()
             with ctx:
                 (_lm_loss(ddp(input_ids=micro[i]).logits, micro[i]) / accum).backward()
+            out["guests"] += sum(getattr(installed.last_stats(h), "guests", 0) for _, h in installed.holders(model))
             if loop and (last or payload.get("sync_each")):
                 sync_gradients(model)
         if step == 0:
@@ -87,6 +96,8 @@ def ddp_training(rank: int, world: int, payload: dict) -> dict:
         out["digests"].append(digests)
     out["worst"], out["worst_name"] = _worst(model, ref, lambda p: p.detach())
     out["reductions"] = model.hp_rewrite.engine.reductions
+    if payload.get("routing_logs"):  # a hand-written loop's read of the routing statistics
+        out["routing_logs"] = routing_stats(model).logs()
     if payload.get("npu_standin"):
         out["npu_calls"] = dict(calls)
     return out

@@ -946,14 +946,15 @@ def case_accelerate_bias_update(model_dir, out):
 Z_COEF = 0.01
 
 
-def _aux_models(model_dir, out: Path):
+def _aux_models(model_dir, out: Path, runtime: str = ""):
     """The unmodified model (with a hand z-loss) and the EP 2 one with routing.aux_loss: global and
-    routing.z_loss_coef, both returning their load-balancing loss (output_router_logits)."""
+    routing.z_loss_coef (and ``runtime``, the plan's runtime section), both returning their load-balancing
+    loss (output_router_logits)."""
     from transformers import AutoModelForCausalLM
 
     from hp_rewrite.plan import parse_plan
 
-    plan = parse_plan(f"version: 1\nep_size: 2\nrouting: {{aux_loss: global, z_loss_coef: {Z_COEF}}}\n")
+    plan = parse_plan(f"version: 1\nep_size: 2\nrouting: {{aux_loss: global, z_loss_coef: {Z_COEF}}}\n{runtime}")
     kwargs = dict(attn_implementation="eager", output_router_logits=True)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).train()
     ref.hp_z = z_loss_by_hand(ref)
@@ -1025,15 +1026,19 @@ def case_trainer_global_aux(model_dir, out):
 
 def case_sft_global_aux(model_dir, out):
     """routing.aux_loss: global through TRL's SFTTrainer at EP 2 with its defaults (activation
-    checkpointing, the load-balancing loss from the config's coefficient; SGD, fp32): the unmodified model
-    stepped on the global micro-batches."""
+    checkpointing, the load-balancing loss from the config's coefficient; SGD, fp32), and runtime.balance
+    forced on (any imbalance, any piece moves): the unmodified model stepped on the global micro-batches."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    from hp_rewrite.runtime import installed
     from tests.fsdp_engine_script import _tokenizer
 
     world, steps, accum = dist.get_world_size(), 2, 2
-    ref, model = _aux_models(model_dir, out)
+    ref, model = _aux_models(model_dir, out, "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n")
+    guests = []
+    for _, holder in installed.holders(model):  # what each forward lent (checkpointing's recomputations too)
+        holder.register_forward_hook(lambda m, *_: guests.append(installed.last_stats(m).guests))
     samples = _samples(ref.config.vocab_size, PER_DEVICE * world * accum * steps)
     args = SFTConfig(output_dir=str(out / "sft_global_aux"), per_device_train_batch_size=PER_DEVICE, use_cpu=True,
                      report_to=[], bf16=False, logging_steps=1, save_strategy="no", max_steps=steps,
@@ -1046,7 +1051,7 @@ def case_sft_global_aux(model_dir, out):
     _global_reference(ref, samples, steps, accum, 1.0)
     worst, name = _worst(model, ref)
     return {"worst": worst, "worst_name": name, "checkpointing": args.gradient_checkpointing,
-            "aux_loss": trainer.aux_loss_enabled}
+            "aux_loss": trainer.aux_loss_enabled, "guests": sum(guests)}
 
 
 def case_trainer_compile(model_dir, out):

@@ -353,8 +353,11 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
 
     # ---- reference: all experts, global batch, one process
     x_ref = x.clone().requires_grad_()
+    # "autocast": fp32 weights under bf16 autocast (what Trainer's bf16=True runs), both sides
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("autocast", False))
     if routing == "natural" and not capacity:
-        ref_out = reference_forward(family, ref_blk, x_ref)
+        with autocast:
+            ref_out = reference_forward(family, ref_blk, x_ref)
     else:
         parts = []
         for s in _slices(tokens):
@@ -382,7 +385,8 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
     weight_grads = installed.binding(ep_blk.experts).runtime.weight_grads
     jobs_before = weight_grads.jobs_run
     with _GroupedCalls(case.get("watch_grouped", False)) as grouped_calls:
-        out = run_ep()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("autocast", False)):
+            out = run_ep()
         (out * g[sl]).sum().backward()
     deferred_jobs = weight_grads.jobs_run - jobs_before  # runtime.defer_expert_grads: weight-gradient GEMMs
 
@@ -423,7 +427,9 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         stats = installed.last_stats(ep_blk.experts)
         moved = torch.tensor([stats.guests, stats.lent])
         dist.all_reduce(moved, group=ep.group)
-        before, after = stats.imbalance.tolist()
+        rank_rows = stats.rank_rows.clone()  # this rank's slots per destination rank: summed, the group's loads
+        dist.all_reduce(rank_rows, group=ep.group)
+        before, after = (rank_rows.max(1).values * ep.size / rank_rows.sum(1).clamp(min=1)).tolist()
         result["balance"] = {"guests": int(moved[0]), "lent": int(moved[1]), "before": before, "after": after}
         result["balance_ok"] = bool(moved[0] > 0 and moved[0] == moved[1] and after <= before)
     if case.get("compare_sync"):  # the async path must equal the sync path bit for bit
@@ -437,7 +443,7 @@ def run_case(case: dict, rank: int, world: int, groups: dict) -> dict:
         for (_, p1), (_, p2) in zip(sync_blk.named_parameters(), ep_blk.named_parameters(), strict=True):
             same = same and ((p1.grad is None and p2.grad is None) or torch.equal(p1.grad, p2.grad))
         result["bitwise_sync_equal"] = bool(same)
-    tol = case.get("tol", BF16_TOL if dtype == torch.bfloat16 else FP32_TOL)
+    tol = case.get("tol", BF16_TOL if dtype == torch.bfloat16 or case.get("autocast") else FP32_TOL)
     worst = max(errors, key=errors.get)
     result.update(
         tol=tol,

@@ -18,6 +18,8 @@ from tests.training_cases import TOL, assert_routing_logged
 
 ROOT = Path(__file__).resolve().parent.parent
 
+BALANCE = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n"  # forced on: any move
+
 DDP_CASES = {  # id: (world, payload)
     # one SGD step at lr 1 is scale-sensitive: a gradient off by any factor moves the weights by it
     "ep2-sgd-lr1-clip": (2, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5}),
@@ -28,10 +30,14 @@ DDP_CASES = {  # id: (world, payload)
     "ep2-adamw-accum2-find_unused-deferred": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3,
                                                   "max_norm": 1.0, "accum": 2, "find_unused": True,
                                                   "plan": "runtime: {defer_expert_grads: true}\n"}),
-    # activation checkpointing (non-reentrant, as transformers turns it on) inside DDP
-    "ep2-sgd-checkpointing": (2, {"ep_size": 2, "steps": 1, "optimizer": "sgd", "checkpointing": True}),
-    # the hand-written loop (sync_gradients): clip_grad_norm_ counts each expert once there too
-    "ep2xdp2-loop-clip": (4, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5, "engine": "loop"}),
+    # activation checkpointing (non-reentrant, as transformers turns it on) inside DDP; runtime.balance forced on:
+    # the recomputation makes the forward's decisions, the lent experts' gradients reach DDP's expert sync
+    "ep2-sgd-checkpointing-balanced": (2, {"ep_size": 2, "steps": 1, "optimizer": "sgd", "checkpointing": True,
+                                           "plan": BALANCE, "routing_logs": True}),
+    # the hand-written loop (sync_gradients): clip_grad_norm_ counts each expert once there too; balanced
+    # within each EP group, the lent experts' gradients returned before the replicas are summed
+    "ep2xdp2-loop-clip-balanced": (4, {"ep_size": 2, "steps": 2, "optimizer": "sgd", "max_norm": 0.5,
+                                       "engine": "loop", "plan": BALANCE}),
     # sync_gradients after every micro-batch: the same as once at the end
     "ep2-loop-accum2-sync-each": (2, {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "accum": 2,
                                       "max_norm": 1.0, "engine": "loop", "sync_each": True}),
@@ -65,6 +71,17 @@ def test_ddp_steps_equal_unmodified_full_batch(case: str, tmp_path: Path) -> Non
         if payload.get("engine") != "loop":  # one expert reduction per backward that DDP synchronises
             per_step = 1 if payload.get("no_sync") else payload.get("accum", 1)
             assert r["reductions"] == payload["steps"] * per_step, r
+        if case.endswith("-balanced"):  # rows did move
+            assert sum(x["guests"] for x in results) > 0, [x["guests"] for x in results]
+        if payload.get("routing_logs"):  # routing_stats(model).logs(): rows per rank as placed, and as balanced
+            layers = [[sum(c) for c in zip(*step_layers, strict=True)] for step_layers in zip(*r["hand_routing"],
+                                                                                            strict=True)]
+            placed = [max(x) * 2 / sum(x) for x in ([sum(c[: len(c) // 2]), sum(c[len(c) // 2 :])] for c in layers)]
+            logs = r["routing_logs"]
+            assert logs["moe/rank_imbalance"] == pytest.approx(max(placed), rel=1e-12), (logs, layers)
+            for i, value in enumerate(placed):
+                assert logs[f"moe/layer_{i}/rank_imbalance"] == pytest.approx(value, rel=1e-12), (logs, layers)
+                assert logs[f"moe/layer_{i}/rank_imbalance_balanced"] < value or value == 1.0, logs
         if payload.get("npu_standin"):  # the NPU ops really ran, forward and backward
             calls = r["npu_calls"]
             assert calls["grouped_matmul_k"] > 0 and calls["swiglu_backward"] > 0, calls
@@ -222,8 +239,10 @@ def test_global_load_balancing_loss_equals_the_concatenated_batch(case: str, eng
         if case == "loop_global_aux":
             assert r["reported"] == pytest.approx(r["wanted"], rel=1e-6), r
             assert all(abs(a - b) > 1e-3 for a, b in zip(r["local"], r["wanted"], strict=True)), r
-        if case == "sft_global_aux":
+        if case == "sft_global_aux":  # also with runtime.balance forced on: rows moved, results unchanged
             assert r["checkpointing"] and r["aux_loss"], r
+    if case == "sft_global_aux":
+        assert sum(r["guests"] for r in engine_results[case]) > 0
 
 
 def test_prepared_accelerator_saves_every_rank_s_experts(engine_results: dict) -> None:

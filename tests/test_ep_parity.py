@@ -47,6 +47,8 @@ BALANCE_CASES = {  # runtime.balance forced on: every family and layout, bf16, c
     "mixtral-bf16",
     "deepseek_v3-bf16",
     "gpt_oss-bf16",
+    "qwen3-autocast",
+    "gpt_oss-autocast",
     "skewed",
     "skewed-chunks4",
     "forced-top4",
@@ -92,6 +94,8 @@ def _cases(world: int) -> list[dict]:
         {"name": "mixtral-bf16", "family": "mixtral", "dtype": "bf16"},
         {"name": "deepseek_v3-bf16", "family": "deepseek_v3", "dtype": "bf16"},
         {"name": "gpt_oss-bf16", "family": "gpt_oss", "dtype": "bf16"},
+        {"name": "qwen3-autocast", "family": "qwen3", "autocast": True},  # fp32 weights, bf16 autocast
+        {"name": "gpt_oss-autocast", "family": "gpt_oss", "autocast": True},
         {"name": "qwen3-eager", "family": "qwen3", "options": {"compute": "eager"}},
         {"name": "gpt_oss-eager", "family": "gpt_oss", "options": {"compute": "eager"}},
         {"name": "qwen3-sync", "family": "qwen3", "options": {"overlap": False}},

@@ -403,17 +403,23 @@ def z_loss_by_hand(model):
     return z
 
 
-def assert_routing_logged(r: dict, steps: int, rank: int) -> None:
+def assert_routing_logged(r: dict, steps: int, rank: int, ep: int = 2) -> None:
     """The ``moe/`` values a run logged after each of its ``steps`` optimizer steps equal what a hand
     count of the unmodified model's routers gives on the same global batches (``hand_routing``: per
-    step, per layer, the experts chosen); rank 0's counts file holds those counts themselves."""
+    step, per layer, the experts chosen); rank 0's counts file holds those counts themselves. The rank
+    imbalance is that of the ``ep`` ranks' consecutive blocks of experts, the same after balancing (off)."""
     logs, hand = r["routing"]["logs"], r["hand_routing"]
     assert len(logs) == len(hand) == steps, (logs, hand)
     for step, (logged, layers) in enumerate(zip(logs, hand, strict=True)):
         imbalance = [max(c) * len(c) / sum(c) for c in layers]
+        ranks = [[sum(c[i * len(c) // ep : (i + 1) * len(c) // ep]) for i in range(ep)] for c in layers]
+        by_rank = [max(x) * ep / sum(x) for x in ranks]
         assert logged["moe/imbalance"] == pytest.approx(max(imbalance), rel=1e-12), (step, logged, layers)
+        assert logged["moe/rank_imbalance"] == pytest.approx(max(by_rank), rel=1e-12), (step, logged, ranks)
+        assert logged["moe/rank_imbalance_balanced"] == logged["moe/rank_imbalance"], logged
         for i, value in enumerate(imbalance):
             assert logged[f"moe/layer_{i}/imbalance"] == pytest.approx(value, rel=1e-12), (step, i, logged, layers)
+            assert logged[f"moe/layer_{i}/rank_imbalance"] == pytest.approx(by_rank[i], rel=1e-12), (step, i, logged)
         assert logged["moe/dead_experts"] == sum(c.count(0) for c in layers), (step, logged, layers)
         assert logged["moe/dropped_fraction"] == 0.0 and logged["moe/exchange_bytes_per_step"] > 0, logged
     if rank == 0:

@@ -43,6 +43,14 @@ class RoutingStats:
         return max(layer.tokens_per_expert) * len(layer.tokens_per_expert) / total if total else 0.0
 
     @staticmethod
+    def rank_imbalance(layer: LayerCounts, balanced: bool = False) -> float:
+        """Max over mean rows of the EP group's ranks as the experts are placed (what the step waits for
+        without ``runtime.balance``), or, ``balanced``, where they were computed (1 is even; 0: no rows)."""
+        rows = layer.rank_rows_balanced if balanced else layer.rank_rows
+        total = sum(rows)
+        return max(rows) * len(rows) / total if total else 0.0
+
+    @staticmethod
     def dead_experts(layer: LayerCounts) -> int:
         return sum(1 for n in layer.tokens_per_expert if n == 0)
 
@@ -52,18 +60,23 @@ class RoutingStats:
         return sum(sum(layer.dropped_per_expert) for layer in self.layers) / chosen if chosen else 0.0
 
     def logs(self, prefix: str = "moe/") -> dict[str, float]:
-        """What the engines log: the worst layer's imbalance, dead experts summed over layers, the
-        dropped fraction, the exchange bytes per step (all ranks), and each layer's imbalance."""
+        """What the engines log: the worst layer's expert imbalance and rank imbalance (before and after
+        ``runtime.balance``), dead experts summed over layers, the dropped fraction, the exchange bytes per
+        step (all ranks), and each layer's imbalances."""
         if not self.layers:
             return {}
         out = {
             f"{prefix}imbalance": max(self.imbalance(layer) for layer in self.layers),
+            f"{prefix}rank_imbalance": max(self.rank_imbalance(layer) for layer in self.layers),
+            f"{prefix}rank_imbalance_balanced": max(self.rank_imbalance(layer, True) for layer in self.layers),
             f"{prefix}dead_experts": float(sum(self.dead_experts(layer) for layer in self.layers)),
             f"{prefix}dropped_fraction": self.dropped_fraction,
             f"{prefix}exchange_bytes_per_step": sum(layer.bytes_sent for layer in self.layers) / max(self.steps, 1),
         }
         for layer in self.layers:
             out[f"{prefix}layer_{layer.index}/imbalance"] = self.imbalance(layer)
+            out[f"{prefix}layer_{layer.index}/rank_imbalance"] = self.rank_imbalance(layer)
+            out[f"{prefix}layer_{layer.index}/rank_imbalance_balanced"] = self.rank_imbalance(layer, True)
         return out
 
     def as_dict(self) -> dict:
@@ -71,7 +84,8 @@ class RoutingStats:
         return {"steps": self.steps, "layers": [
             {"name": layer.name, "index": layer.index, "block": layer.block,
              "tokens_per_expert": list(layer.tokens_per_expert),
-             "dropped_per_expert": list(layer.dropped_per_expert), "bytes_sent": layer.bytes_sent,
+             "dropped_per_expert": list(layer.dropped_per_expert), "rank_rows": list(layer.rank_rows),
+             "rank_rows_balanced": list(layer.rank_rows_balanced), "bytes_sent": layer.bytes_sent,
              "tokens": layer.tokens}
             for layer in self.layers]}
 

@@ -47,7 +47,6 @@ class Decision:
     send_local: ``[ep * local]`` this rank's local experts to send, destination-major (the first
         ``sum(sends)`` are meant).
     moved: ``[1]`` guest experts over the whole group (the same on every rank): 0 when nothing moves.
-    imbalance: ``[2]`` max/mean rows per rank before and after balancing (float32).
     """
 
     slots: torch.Tensor
@@ -57,7 +56,6 @@ class Decision:
     recvs: torch.Tensor
     send_local: torch.Tensor
     moved: torch.Tensor
-    imbalance: torch.Tensor
 
     def host_values(self) -> list[torch.Tensor]:
         """The int64 values the layer's one host read brings along: sends, recvs, moved."""
@@ -69,8 +67,8 @@ def _overlap(hi_a: torch.Tensor, lo_a: torch.Tensor, hi_b: torch.Tensor, lo_b: t
     return (torch.minimum(hi_a, hi_b) - torch.maximum(lo_a, lo_b)).clamp(min=0)
 
 
-def _pieces(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[E, ep]`` rows of each slot's expert that go to each helper rank, and the max/mean before and after."""
+def _pieces(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> torch.Tensor:
+    """``[E, ep]``: the rows of each slot's expert that go to each helper rank."""
     num_local = per_slot.shape[0] // ep
     per_rank = per_slot.view(ep, num_local)
     load = per_rank.sum(1)
@@ -90,10 +88,7 @@ def _pieces(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> tuple[t
     moved = moved * (moved >= options.balance_min_rows)
     moved = moved * ((moved > 0).cumsum(0) <= options.balance_replicas)  # a helper's first pieces
     slot_of_piece = (givers.unsqueeze(1) * num_local + hot.indices).reshape(-1)
-    moved = moved.index_select(0, torch.argsort(slot_of_piece)).index_select(1, torch.argsort(takers))  # [slot, rank]
-    after = load - moved.sum(1).view(ep, num_local).sum(1) + moved.sum(0)
-    mean = total.clamp(min=1).float() / ep
-    return moved, torch.stack([load.max() / mean, after.max() / mean]).float()
+    return moved.index_select(0, torch.argsort(slot_of_piece)).index_select(1, torch.argsort(takers))
 
 
 def decide(slots: torch.Tensor, num_local: int, group: dist.ProcessGroup, ep: int, rank: int,
@@ -111,7 +106,7 @@ def assign(slots: torch.Tensor, counts: torch.Tensor, rank: int, options: Runtim
     """This rank's part of the decision, from every rank's slot counts ``counts [ep, E]``."""
     ep, num_slots = counts.shape
     num_local, device, flat = num_slots // ep, slots.device, slots.reshape(-1)
-    moved, imbalance = _pieces(counts.sum(0), ep, options)
+    moved = _pieces(counts.sum(0), ep, options)
     kept = counts.sum(0) - moved.sum(1)
     amounts = torch.cat([kept.unsqueeze(1), moved], dim=1)  # [E, 1 + ep]: owner, then each helper
     bounds = amounts.cumsum(1)
@@ -135,4 +130,4 @@ def assign(slots: torch.Tensor, counts: torch.Tensor, rank: int, options: Runtim
     send_local = torch.argsort((~lent).t().reshape(-1).to(torch.uint8), stable=True) % num_local
     recvs = (moved[:, rank] > 0).view(ep, num_local).sum(1)
     return Decision(out.view_as(slots), width, num_local, lent.sum(0), recvs, send_local,
-                    (moved > 0).sum().reshape(1), imbalance)
+                    (moved > 0).sum().reshape(1))

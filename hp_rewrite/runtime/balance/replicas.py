@@ -48,12 +48,12 @@ class _Joined(Function):
 
     @staticmethod
     def forward(ctx, rows, *received):  # type: ignore[override]
-        ctx.shapes = [r.shape for r in received]
+        ctx.like = [(r.shape, r.dtype) for r in received]
         return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return (grad, *(grad.new_zeros(s) for s in ctx.shapes))
+        return (grad, *(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.like))
 
 
 @dataclass
@@ -118,12 +118,12 @@ def split(batch: LocalBatch, num_local: int, guests: int) -> tuple[LocalBatch, L
 
 
 def guest_rows(holder: nn.Module, layout: ExpertsLayout, guests: Guests, batch: LocalBatch,
-               hidden_size: int) -> torch.Tensor:
-    """The guests' rows through their lent weights (``[0, H]`` on a rank with no guest, joined to the
-    weights' backward exchange)."""
+               own: torch.Tensor) -> torch.Tensor:
+    """The guests' rows through their lent weights, to follow ``own`` (this rank's experts' rows); on a
+    rank with no guest ``[0, H]`` in ``own``'s dtype, joined to the weights' backward exchange."""
     weights = guests.weights()
     if guests.count:
         return local_experts_forward(holder, batch, layout, weights=weights)
-    rows = batch.hidden.new_zeros((0, hidden_size))
+    rows = own.new_zeros((0, own.shape[-1]))
     received = [w for w in weights.values() if w.requires_grad]
     return _Joined.apply(rows, *received) if received else rows

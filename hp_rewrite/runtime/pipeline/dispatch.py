@@ -81,7 +81,7 @@ class DispatchStats:
     rows_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    imbalance: torch.Tensor | None = None  # runtime.balance: [2] max/mean rows per rank before and after
+    rank_rows: torch.Tensor | None = None  # [2, ep] slots sent to each rank's experts: as placed, as computed
     lent: int = 0  # runtime.balance: experts whose weights this rank lent / computed for another rank
     guests: int = 0
 
@@ -224,6 +224,7 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
         per_slot = count_per_expert(slots.reshape(-1), num_experts)
         chunk = ON_RANK.chunk(hidden, slots, per_slot, sentinels)
         stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
+        stats.rank_rows = per_slot.sum().expand(2, 1)
         stats.rows_sent = stats.rows_received = chunk.send_splits[0]
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
         return RoutedDispatch(binding, Launched([chunk]), num_tokens, top_k, hidden.shape, hidden.dtype, weights,
@@ -242,7 +243,9 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
     recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
     per_slot = counts_all.sum(0) if decision is None else count_per_expert(placed.reshape(-1), num_experts)
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
-    stats.imbalance = None if decision is None else decision.imbalance
+    as_placed = per_slot.view(ep.size, n_local).sum(1)
+    stats.rank_rows = torch.stack([as_placed, as_placed if decision is None else
+                                   counts_all.sum(0).view(ep.size, width).sum(1)])
     counted = Counted(bounds, plans, rows_per_dest, recv, hidden, slots, weights, width, decision)
     return RoutedDispatch(binding, counted, num_tokens, top_k, hidden.shape, hidden.dtype, weights, stats, exchange,
                           link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens)
@@ -348,7 +351,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     load = installed.routing_load(holder or experts)  # plan routing: counts kept for the step
     if load is not None:
         load.record(state.stats.tokens_per_expert, state.stats.dropped_per_expert, state.stats.bytes_sent,
-                    state.num_tokens, (holder or experts).training)
+                    state.num_tokens, (holder or experts).training, state.stats.rank_rows)
     exchange, link, k = state.exchange, state.link, state.top_k
     hidden_size, compute, fill = state.hidden_shape[-1], state.options.compute, state.weight_grads
     combines = []
@@ -361,7 +364,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
             mine, theirs = replicas.split(batch, state.placement.num_local, guests.count if guests else 0)
             y = _run_experts(experts, mine, via_call)
             if guests is not None:
-                y = torch.cat([y, replicas.guest_rows(holder, installed.layout(holder), guests, theirs, y.shape[-1])])
+                y = torch.cat([y, replicas.guest_rows(holder, installed.layout(holder), guests, theirs, y)])
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
     outs = [

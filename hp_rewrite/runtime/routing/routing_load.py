@@ -40,23 +40,25 @@ def counted_forward(training: bool) -> bool:
 
 class ExpertLoad:
     """One layer's routing counts since the last :meth:`take`: ``chosen [E]`` slots per expert (the
-    router's choice, before any capacity drop), ``dropped [E]``, the bytes its exchange sent and the
-    tokens it routed (host values, not counted while compiled)."""
+    router's choice, before any capacity drop), ``dropped [E]``, ``rank_rows [2, ep]`` the kept slots sent
+    to each EP rank as placed and as computed (``runtime.balance`` moves some), the bytes its exchange
+    sent and the tokens it routed (host values, not counted while compiled)."""
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, ranks: int = 1) -> None:
+        self.num_experts, self.ranks = num_experts, ranks
         self.chosen: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
+        self.rank_rows: torch.Tensor | None = None
         self.bytes_sent = self.tokens = 0
         self.owner: ModelRouting | None = None
 
     @property
     def width(self) -> int:
-        """Values per layer in the reduced vector: chosen [E], dropped [E], bytes, tokens."""
-        return 2 * self.num_experts + 2
+        """Values per layer in the reduced vector: chosen [E], dropped [E], rank rows [2 * ep], bytes, tokens."""
+        return 2 * self.num_experts + 2 * self.ranks + 2
 
     def record(self, kept: torch.Tensor, dropped: torch.Tensor, bytes_sent: int, tokens: int,
-               training: bool) -> None:
+               training: bool, rank_rows: torch.Tensor) -> None:
         if not counted_forward(training):
             return
         if self.owner is not None and self.owner.bias_update_rate and not self.owner.tracked:
@@ -67,22 +69,26 @@ class ExpertLoad:
                 "routing.bias_update_rate: 0"
             )
         if self.chosen is None:
-            self.chosen, self.dropped = kept + dropped, dropped.clone()
+            self.chosen, self.dropped, self.rank_rows = kept + dropped, dropped.clone(), rank_rows.clone()
         else:
             self.chosen += kept + dropped
             self.dropped += dropped
+            self.rank_rows += rank_rows
         if not torch.compiler.is_compiling():  # host ints here; traced sizes under compile
             self.bytes_sent += int(bytes_sent)
             self.tokens += int(tokens)
 
     def take(self, device: torch.device) -> torch.Tensor:
-        """``[2E + 2]`` int64 on ``device``: chosen, dropped, bytes, tokens; the counts start again from zero."""
+        """``[width]`` int64 on ``device``: chosen, dropped, rank rows, bytes, tokens; the counts start again
+        from zero."""
         e = self.num_experts
         chosen = self.chosen if self.chosen is not None else torch.zeros(e, dtype=torch.int64, device=device)
         dropped = self.dropped if self.dropped is not None else torch.zeros(e, dtype=torch.int64, device=device)
+        ranks = self.rank_rows if self.rank_rows is not None else torch.zeros(2, self.ranks, dtype=torch.int64,
+                                                                              device=device)
         host = [torch.full((1,), v, dtype=torch.int64, device=device) for v in (self.bytes_sent, self.tokens)]
-        self.chosen, self.dropped, self.bytes_sent, self.tokens = None, None, 0, 0
-        return torch.cat([chosen.to(device), dropped.to(device), *host])  # fills: nothing uploaded
+        self.chosen, self.dropped, self.rank_rows, self.bytes_sent, self.tokens = None, None, None, 0, 0
+        return torch.cat([chosen.to(device), dropped.to(device), ranks.to(device).reshape(-1), *host])  # no upload
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,6 +146,8 @@ class LayerCounts:
     block: str  # the MoE block's path (placement loads and profiles are keyed by it)
     tokens_per_expert: tuple[int, ...]
     dropped_per_expert: tuple[int, ...]
+    rank_rows: tuple[int, ...]  # kept slots per EP rank as placed (every EP group's summed)
+    rank_rows_balanced: tuple[int, ...]  # the same where they were computed (runtime.balance)
     bytes_sent: int
     tokens: int
 
@@ -199,8 +207,8 @@ class ModelRouting:
         self.this_step = flat if self.this_step is None else self.this_step + flat
 
     def step(self) -> list[torch.Tensor]:
-        """After an optimizer step (every rank): reduce, and return each layer's ``[2E + 2]`` global
-        counts of that step (chosen, dropped, bytes, tokens); the next step starts from zero."""
+        """After an optimizer step (every rank): reduce, and return each layer's global counts of that
+        step (:meth:`ExpertLoad.take`'s layout); the next step starts from zero."""
         self.reduce()
         flat, self.this_step = self.this_step, None
         self.steps += 1
@@ -223,9 +231,11 @@ class ModelRouting:
             return 0, []
         values, out, start = window.tolist(), [], 0
         for name, index, block, load in zip(self.names, self.indices, self.blocks, self.loads, strict=True):
-            e = load.num_experts
+            e, r = load.num_experts, load.ranks
             part = values[start : start + load.width]
-            out.append(LayerCounts(name, index, block, tuple(part[:e]), tuple(part[e : 2 * e]), *part[2 * e :]))
+            out.append(LayerCounts(name, index, block, tuple(part[:e]), tuple(part[e : 2 * e]),
+                                   tuple(part[2 * e : 2 * e + r]), tuple(part[2 * e + r : 2 * e + 2 * r]),
+                                   *part[2 * e + 2 * r :]))
             start += load.width
         return steps, out
 
@@ -254,7 +264,7 @@ def install_routing_loads(model: nn.Module, group: dist.ProcessGroup | None = No
                 f"({type(installed.router(m).block).__name__}) {what}; the update needs one bias per routed expert "
                 "(DeepSeek-V3's routers and their kin): set routing.bias_update_rate: 0 for this model"
             )
-        installed.state_of(m).load = ExpertLoad(binding.num_experts)
+        installed.state_of(m).load = ExpertLoad(binding.num_experts, binding.ep.size)
     return ModelRouting(holders, group, log=log, bias_update_rate=bias_update_rate)
 
 
