@@ -128,6 +128,16 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
     deferred = rewrite_model(copy.deepcopy(ref), parse_plan(
         f"version: 1\nep_size: {world}\nruntime: {{defer_expert_grads: true}}\n"), artifact_dir=art)
     out["deferred"] = _error(lambda: hp_rewrite.fully_shard(deferred))
+    # runtime.balance (#59, until its second half): FSDP2, LoRA on the experts and flat expert weights are refused
+    balance = parse_plan(f"version: 1\nep_size: {world}\nruntime: {{balance: auto}}\n")
+    balanced = rewrite_model(copy.deepcopy(ref), balance, artifact_dir=art)
+    out["balance_fsdp"] = _error(lambda: hp_rewrite.fully_shard(balanced))
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(balanced, LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]))
+    out["balance_lora"] = _error(lambda: lora(input_ids=ids))
+    out["balance_flat"] = _error(lambda: rewrite_model(build_tiny_model(tiny_config("dbrx"), seed=0), balance,
+                                                       artifact_dir=art))
     model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
     hp_rewrite.fully_shard(model)
     _lm_loss(model(input_ids=ids).logits, ids).backward()

@@ -29,6 +29,6 @@ def test_device_check_on_cpu(tmp_path: Path) -> None:
     ep2 = report["ep2_one_device"]
     assert set(ep2) == {"rank0", "rank1"}
     for cases in ep2.values():
-        assert set(cases) == {"qwen3_moe", "deepseek_v3", "decode-1-token"}
+        assert set(cases) == {"qwen3_moe", "deepseek_v3", "decode-1-token", "qwen3_moe-balanced"}
         assert all(c["passed"] and c["bitwise_repeatable"] for c in cases.values()), cases
 

@@ -97,6 +97,9 @@ def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:
     for r in run_world(2, "tests.fsdp_cases:fsdp_refusals", payload):
         assert r["mesh_from_pretrained"] and r["mesh_auto_patch"], r  # the user's mesh, through loading
         assert "defer_expert_grads: false" in r["deferred"], r
+        assert "runtime.balance: auto" in r["balance_fsdp"] and "runtime.balance: off" in r["balance_fsdp"], r
+        assert "runtime.balance: auto" in r["balance_lora"] and "LoRA" in r["balance_lora"], r
+        assert "runtime.balance: auto" in r["balance_flat"] and "flat" in r["balance_flat"], r
         assert "remove the sync_gradients call" in r["sync_gradients"], r
         assert "remove the gradient_sync call" in r["gradient_sync"], r
         assert "mesh" in r["torch_clip"], r  # torch's own clip refuses two meshes: hp_rewrite.clip_grad_norm_

@@ -14,7 +14,8 @@
     (profiler: the grouped CUTLASS kernel, or torch's fallback) are listed.
 (c) EP=2 as two processes on the one device (gloo over device tensors; :mod:`tools.device_ep`): bf16
     parity and bitwise repeatability of qwen3_moe and deepseek_v3, host syncs per MoE layer
-    (``set_sync_debug_mode``), single-token decode (empty expert groups, a rank receiving nothing), and
+    (``set_sync_debug_mode``), single-token decode (empty expert groups, a rank receiving nothing),
+    qwen3_moe with ``runtime.balance`` forced on (lent expert weights and their gradients returned), and
     on an accelerator one Qwen3-30B-A3B-shaped layer's local experts at EP=2 against transformers'
     grouped_mm.
 (d) Local experts kept as MXFP4 / block-FP8 codes (:mod:`tools.device_kept`) against the same values

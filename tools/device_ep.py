@@ -56,7 +56,7 @@ class _Syncs:
         return sum("synchroniz" in str(w.message) for w in self.records) if self.on else None
 
 
-def _model_case(model_type: str, device: torch.device, dtype: torch.dtype, tokens: int) -> dict:
+def _model_case(model_type: str, device: torch.device, dtype: torch.dtype, tokens: int, runtime: str = "") -> dict:
     import torch.distributed as dist
 
     from hp_rewrite.plan import parse_plan
@@ -66,7 +66,7 @@ def _model_case(model_type: str, device: torch.device, dtype: torch.dtype, token
     from hp_rewrite.verify import gradient_errors
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    plan = parse_plan(f"version: 1\nep_size: {world}\n{runtime}")
     ep = build_expert_parallel_group(world)
     ref = build_tiny_model(tiny_config(model_type), seed=0).to(device=device, dtype=dtype)
     model = copy.deepcopy(ref)
@@ -172,6 +172,9 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     dtype = getattr(torch, payload["dtype"])
     out = {m: _model_case(m, device, dtype, tokens=16) for m in ("qwen3_moe", "deepseek_v3")}
     out["decode-1-token"] = _decode_case(device, dtype)
+    # runtime.balance forced on (any imbalance, any piece): lent weights through the device's GEMMs, one host read
+    out["qwen3_moe-balanced"] = _model_case("qwen3_moe", device, dtype, tokens=16, runtime=(
+        "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n"))
     if payload.get("speed"):
         out["layer_speed"] = _layer_speed(device, dtype, payload["size"], payload["iters"])
     return out

@@ -115,6 +115,10 @@ def register(sub) -> None:
                     help="RL with vLLM on the same GPUs (TRL's vllm_mode='colocate'): the memory each rank holds, "
                     "line by line, beside the F (vllm_gpu_memory_utilization) of the device vLLM takes; with "
                     "--world-size W, --non-expert replicate (default) or fully_shard, --lora R")
+    co.add_argument("--balance-skew", type=float, default=None, metavar="S",
+                    help="runtime.balance: forecast the first MoE layer's expert time, without and with balancing, "
+                    "for a batch whose busiest EP rank gets S x the mean rows (the plan's balance knobs when it sets "
+                    "balance: auto, else the break-even rows of --hardware)")
     co.add_argument("--trust-remote-code", action="store_true",
                     help="build the checkpoint's own modeling code (its config.json auto_map), as transformers' "
                     "trust_remote_code=True; read that code first")
@@ -170,4 +174,11 @@ def cost(args: CostArgs, request) -> int:
         console.print(suggest_table(report.candidates, request.world_size, hw))
     if report.colocated is not None:
         console.print(colocated_table(report))
+    if report.balance is not None:
+        b = report.balance
+        verdict = "pays" if b.pays else "does not pay" if b.lent else "moves nothing"
+        console.print(f"balance (runtime.balance: auto, ep {b.ep}): rows max/mean {b.skew:.2f} -> {b.balanced_skew:.2f}, "
+                      f"{b.lent} expert copies per layer and step, the busiest rank's expert time "
+                      f"{b.time_off_s * 1e3:.3g} -> {b.time_on_s * 1e3:.3g} ms (x{b.ratio:.3f}): balancing {verdict} "
+                      f"(a copy pays from {b.min_rows} rows: runtime.balance_min_rows)", highlight=False)
     return 0

@@ -38,6 +38,9 @@ _LAZY = {
     "routing_profile": "profile",
     "write_profile": "profile",
     "calibrate": "calibration",
+    "break_even_rows": "balance",
+    "BalanceForecast": "balance",
+    "forecast": "balance",
     "count_flops": "flopcount",
 }
 

@@ -43,6 +43,7 @@ class CostRequest:
     lora: int = 0  # > 0: a frozen base with LoRA of this rank on the routed experts
     keep_quantized: bool = False  # the routed experts held as the checkpoint's MXFP4 / FP8 codes (with --lora)
     colocated_vllm: float | None = None  # RL with vLLM on the same GPUs: its vllm_gpu_memory_utilization
+    balance_skew: float | None = None  # runtime.balance: forecast a batch whose busiest rank gets this x the mean
 
 
 @dataclass
@@ -55,6 +56,7 @@ class CostReport:
     reserve_bytes: float
     load: object = None  # load.LoadBytes: what each rank reads from the checkpoint
     colocated: list | None = None  # colocated.MemoryLine: RL with vLLM on the same GPUs, per rank
+    balance: object = None  # balance.BalanceForecast, with --balance-skew
 
     @property
     def colocated_total(self) -> float:
@@ -81,6 +83,8 @@ class CostReport:
             "colocated_rl": None if self.colocated is None else {
                 "lines": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.colocated],
                 "total_bytes": self.colocated_total, "capacity_bytes": self.hardware.memory_bytes},
+            "balance": None if self.balance is None else {**vars(self.balance), "ratio": self.balance.ratio,
+                                                          "pays": self.balance.pays},
         }
 
 
@@ -177,8 +181,26 @@ def estimate_cost(req: CostRequest) -> CostReport:
         if not cands:
             raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))}) divides both the world "
                             f"size {req.world_size} and the experts")
+    balance = _balance(req, plan, spec, par, work, hw, dtype_bytes) if req.balance_skew is not None else None
     return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep),
-                      colocated)
+                      colocated, balance)
+
+
+def _balance(req: CostRequest, plan, spec, par, work, hw, dtype_bytes: int):
+    """``runtime.balance`` on the first MoE layer for a batch of ``--balance-skew`` (:mod:`.balance`): the plan's
+    knobs when it turns balancing on, else the defaults with the break-even rows of ``hw``."""
+    from .balance import forecast
+
+    lay, knobs = spec.layers[0], plan.runtime
+    on = knobs.balance == "auto"
+    rows = work.seq_len * work.micro_batch * lay.top_k / (par.tp * par.cp)
+    try:
+        return forecast(ep=par.ep, num_experts=lay.num_experts, rows_per_rank=rows,
+                        matmul_params=lay.routed.matmul_params, weight_bytes=dtype_bytes, hw=hw, skew=req.balance_skew,
+                        threshold=knobs.balance_threshold, min_rows=knobs.balance_min_rows if on else None,
+                        replicas=knobs.balance_replicas)
+    except ValueError as e:
+        raise UserError(f"--balance-skew: {e}") from e
 
 
 def _colocated(req: CostRequest, result, hw, config, spec) -> list:

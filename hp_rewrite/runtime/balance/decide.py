@@ -67,7 +67,7 @@ def _overlap(hi_a: torch.Tensor, lo_a: torch.Tensor, hi_b: torch.Tensor, lo_b: t
     return (torch.minimum(hi_a, hi_b) - torch.maximum(lo_a, lo_b)).clamp(min=0)
 
 
-def _pieces(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> torch.Tensor:
+def moves(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> torch.Tensor:
     """``[E, ep]``: the rows of each slot's expert that go to each helper rank."""
     num_local = per_slot.shape[0] // ep
     per_rank = per_slot.view(ep, num_local)
@@ -106,7 +106,7 @@ def assign(slots: torch.Tensor, counts: torch.Tensor, rank: int, options: Runtim
     """This rank's part of the decision, from every rank's slot counts ``counts [ep, E]``."""
     ep, num_slots = counts.shape
     num_local, device, flat = num_slots // ep, slots.device, slots.reshape(-1)
-    moved = _pieces(counts.sum(0), ep, options)
+    moved = moves(counts.sum(0), ep, options)
     kept = counts.sum(0) - moved.sum(1)
     amounts = torch.cat([kept.unsqueeze(1), moved], dim=1)  # [E, 1 + ep]: owner, then each helper
     bounds = amounts.cumsum(1)
