@@ -211,6 +211,7 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
+    from hp_rewrite.runtime.balance import replicas
     from hp_rewrite.runtime.compute.experts import holder_of
     from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
@@ -242,6 +243,8 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             if not torch.equal(p.dense(), installed.layout(owner).per_expert(want[n])[local[n]]):
                 r["decoded_mismatched"].append(n)
         r["expert_bytes"] = kept.hp_rewrite.load_report["expert_bytes"]
+        holder = next(h for _, h in installed.holders(kept))  # runtime.balance does not lend codes (yet)
+        r["balance_refused"] = replicas.refusal(holder, holder)
         r["stored_share"] = sum(p.stored_bytes for p in weights.values())
         # a full save decodes the kept experts: the checkpoint the dequantised model saves
         kept.save_pretrained(art / f"kept-full-{name}")

@@ -104,6 +104,7 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
                 assert kept[what] <= TOL, (name, rank, what, kept)
             assert "write into an expert weight kept quantised" in kept["merge_refused"], kept
             assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
+            assert "keeps its experts quantised" in kept["balance_refused"], kept  # refused with runtime.balance
             # under hp_rewrite.fully_shard: the codes left as loaded, the adapters sharded, one more step exact
             # (at EP 2: twice the experts per rank, their adapters sharded over the 2 expert replicas)
             assert kept["fsdp_codes_kept"] == kept["kept"] and kept["fsdp_adapters_sharded"], (name, rank, kept)
