@@ -10,8 +10,8 @@ on a Qwen3-MoE experts holder, with routing drawn from three distributions over 
   zipf    expert popularity 1 / rank^1.2 over a fixed random order of the experts;
   skewed  one rank's experts get ``--skew`` times the mean share of rows (max/mean rows per rank).
 
-Each iteration runs every distribution with balancing off and ``auto`` (order alternating), each step
-between barriers. Per step each rank records its wall time and its main thread's CPU time; the step's
+Each rank draws one batch per distribution; each iteration runs every distribution with balancing off
+and ``auto`` (order alternating), each step between barriers. Per step each rank records its wall time and its main thread's CPU time; the step's
 time is the slower rank's. Reported per EP and distribution: max/mean rows per rank before and after
 balancing, the experts lent per step, and the median of the per-iteration ratios (balanced / not) of
 the wall time and of the busiest rank's CPU time. With more ranks than cores (EP 4 on a 2-core
@@ -20,11 +20,14 @@ ratio there, which is what one core per rank would show. The outputs and gradien
 are compared every iteration (max relative error).
 
 ``balance_min_rows`` is the cost model's break-even for the ``--hardware`` preset (cpu-gloo: measured on
-the development host), ``balance_threshold`` the default 1.1.
+the development host), ``balance_threshold`` the default 1.1. The ranks' glibc keeps freed memory
+(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` 4 GiB; ``--no-malloc-cache``: not), as PyTorch's
+caching allocator does on a GPU: otherwise every step page-faults its large temporaries afresh, a
+CPU-only cost that grows with the tensors allocated (the lent weights and their gradients too).
 
 Run (from the repo root, virtualenv active)::
 
-    python tools/bench_balance.py                      # EP 2 and 4, 6 timed iterations
+    python tools/bench_balance.py                      # EP 2 and 4, 20 timed iterations
     python tools/bench_balance.py --ep 2 --iters 3     # quick
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -66,9 +70,9 @@ def _experts(args):
     return experts
 
 
-def _routing(kind: str, args, ep: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, K]`` distinct experts per token and their softmax weights, drawn for this rank and step."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
+def _routing(kind: str, args, ep: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, K]`` distinct experts per token and their softmax weights, drawn for this rank."""
+    gen = torch.Generator().manual_seed(rank)
     e = args.experts
     if kind == "even":
         probs = torch.ones(e)
@@ -107,7 +111,8 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
     args = argparse.Namespace(**payload)
     ep = build_expert_parallel_group(world)
-    off, auto = RuntimeOptions(), RuntimeOptions(balance="auto", balance_min_rows=args.min_rows)
+    off = RuntimeOptions()
+    auto = RuntimeOptions(balance="auto", balance_min_rows=args.min_rows, balance_replicas=args.replicas)
     holders = {}
     for name, options in (("off", off), ("auto", auto)):
         experts = _experts(args)
@@ -117,9 +122,10 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     x = torch.randn(args.tokens, args.hidden, generator=gen)
     grad = torch.randn(args.tokens, args.hidden, generator=gen)
     records = {kind: [] for kind in DISTRIBUTIONS}
+    routes = {kind: _routing(kind, args, world, rank) for kind in DISTRIBUTIONS}  # the same batch every iteration
     for it in range(args.warmup + args.iters):
         for kind in DISTRIBUTIONS:
-            indices, weights = _routing(kind, args, world, rank, it)
+            indices, weights = routes[kind]
             order = ("off", "auto") if it % 2 == 0 else ("auto", "off")
             seen = {}
             for name in order:
@@ -164,25 +170,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--skew", type=float, default=1.5, help="the skewed batch's max/mean rows per rank")
-    parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-malloc-cache", action="store_true", help="leave glibc's malloc thresholds as they are")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hardware", default="cpu-gloo", choices=sorted(PRESETS))
+    parser.add_argument("--replicas", type=int, default=RuntimeOptions().balance_replicas,
+                        help="runtime.balance_replicas (default: the runtime's)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/bench_balance.json"))
     args = parser.parse_args()
     repo = str(Path(__file__).resolve().parent.parent)
     if repo not in sys.path:
         sys.path.insert(0, repo)  # the spawned ranks import tools.bench_balance:run_rank from the repo root
     args.min_rows = max(1, round(break_even_rows(PRESETS[args.hardware], 4)))  # fp32 weights
+    if not args.no_malloc_cache:  # read by the ranks' glibc when they start
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(2**32), MALLOC_TRIM_THRESHOLD_=str(2**32))
     results = {"command": " ".join(["python", *sys.argv]), "torch": torch.__version__, "min_rows": args.min_rows,
+               "load_average_1_5_15min": os.getloadavg(), "malloc_cache": not args.no_malloc_cache,
                "sizes": {k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "top_k",
-                                                         "skew", "iters")}, "ep": {}}
+                                                         "skew", "iters", "replicas")}, "ep": {}}
     for ep in args.ep:
-        payload = {k: v for k, v in vars(args).items() if k not in ("out", "ep")}
+        payload = {k: v for k, v in vars(args).items() if k not in ("out", "ep", "no_malloc_cache")}
         per_rank = run_world(ep, "tools.bench_balance:run_rank", payload)
         results["ep"][ep] = {"summary": summary(per_rank[0]), "iterations": per_rank[0]}
         print(f"EP {ep} (min_rows {args.min_rows}):")
