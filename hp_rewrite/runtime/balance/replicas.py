@@ -101,8 +101,8 @@ def lend(holder: nn.Module, layout: ExpertsLayout, send_local: torch.Tensor, sen
             sent = weight.new_empty((0, *weight.shape[1:]), requires_grad=grad)
         if dtype is not None and sent.is_floating_point():
             sent = sent.to(dtype)
-        pending[name] = comm.exchange(sent.reshape(sent.shape[0], shapes[name].numel()), recvs, sends, link.group, link.overlap,
-                                      link.hooks)
+        rows = sent.reshape(sent.shape[0], shapes[name].numel())  # one row per expert
+        pending[name] = comm.exchange(rows, recvs, sends, link.group, link.overlap, link.hooks)
     return Guests(pending, shapes, sum(recvs))
 
 
