@@ -166,7 +166,7 @@ def test_kept_experts_under_bf16_autocast_and_torch_compile() -> None:
     torch.manual_seed(3)
     peft_kept = get_peft_model(model, LoraConfig(**config))
     want = peft_ref(input_ids=ids, labels=ids)
-    got = torch.compile(peft_kept)(input_ids=ids, labels=ids)
+    got = torch.compile(peft_kept, backend="aot_eager")(input_ids=ids, labels=ids)  # inductor: test_engines
     assert ((got.logits - want.logits).abs().max() / want.logits.abs().max()).item() <= TOL
     want.loss.backward()
     got.loss.backward()
