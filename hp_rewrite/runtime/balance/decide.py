@@ -51,7 +51,6 @@ class Decision:
 
     slots: torch.Tensor
     width: int
-    num_local: int
     sends: torch.Tensor
     recvs: torch.Tensor
     send_local: torch.Tensor
@@ -91,15 +90,11 @@ def moves(per_slot: torch.Tensor, ep: int, options: RuntimeOptions) -> torch.Ten
     return moved.index_select(0, torch.argsort(slot_of_piece)).index_select(1, torch.argsort(takers))
 
 
-def decide(slots: torch.Tensor, num_local: int, group: dist.ProcessGroup, ep: int, rank: int,
+def decide(slots: torch.Tensor, per_slot: torch.Tensor, group: dist.ProcessGroup, rank: int,
            options: RuntimeOptions) -> Decision:
-    """The layer's balancing from ``slots [T, K]`` (placement slots; ``ep * num_local`` when dropped)."""
-    num_slots = ep * num_local
-    flat = slots.reshape(-1)
-    mine = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
-    mine.scatter_add_(0, flat.clamp(max=num_slots), torch.ones_like(flat))
-    counts = gather_counts(mine[:num_slots], group)  # [ep, E]: every rank's slots per expert
-    return assign(slots, counts, rank, options)
+    """The layer's balancing from ``slots [T, K]`` (placement slots; ``E`` when dropped) and this rank's
+    slots per placement slot ``per_slot [E]`` (what the dispatch counted for its statistics)."""
+    return assign(slots, gather_counts(per_slot, group), rank, options)  # [ep, E]: every rank's counts
 
 
 def assign(slots: torch.Tensor, counts: torch.Tensor, rank: int, options: RuntimeOptions) -> Decision:
@@ -129,5 +124,5 @@ def assign(slots: torch.Tensor, counts: torch.Tensor, rank: int, options: Runtim
     lent = moved[rank * num_local : (rank + 1) * num_local] > 0  # [local, ep]: my experts each helper takes
     send_local = torch.argsort((~lent).t().reshape(-1).to(torch.uint8), stable=True) % num_local
     recvs = (moved[:, rank] > 0).view(ep, num_local).sum(1)
-    return Decision(out.view_as(slots), width, num_local, lent.sum(0), recvs, send_local,
+    return Decision(out.view_as(slots), width, lent.sum(0), recvs, send_local,
                     (moved > 0).sum().reshape(1))

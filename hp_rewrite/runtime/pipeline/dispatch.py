@@ -229,9 +229,10 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
         stats.bytes_sent = stats.bytes_received = chunk.send_splits[0] * hidden.shape[-1] * hidden.element_size()
         return RoutedDispatch(binding, Launched([chunk]), num_tokens, top_k, hidden.shape, hidden.dtype, weights,
                               stats, ON_RANK, link, identity=identity, tp_tokens=tp_tokens)
-    decision, width, placed = None, n_local, slots
+    decision, width, placed = None, n_local, None
     if options.balance == "auto":  # rows of the busiest ranks' hottest experts go to idle ranks (..balance)
-        decision = decide(slots, n_local, ep.group, ep.size, ep.rank, options)
+        placed = count_per_expert(slots.reshape(-1), num_experts)  # per placement slot
+        decision = decide(slots, placed, ep.group, ep.rank, options)
         slots, width = decision.slots, decision.width
     bounds = _chunk_bounds(num_tokens, options.chunks)
     counts, plans = [], []
@@ -241,7 +242,7 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
     counts_all = torch.stack(counts)  # [chunks, ep * width]
     rows_per_dest, cells = exchange.count_cells(counts_all.view(len(bounds), ep.size, width), plans)
     recv = comm.exchange_counts(cells.transpose(0, 1).contiguous(), link.group, link.hooks)  # [src, chunks, cell]
-    per_slot = counts_all.sum(0) if decision is None else count_per_expert(placed.reshape(-1), num_experts)
+    per_slot = counts_all.sum(0) if decision is None else placed
     stats = DispatchStats(per_slot if slot_of is None else per_slot[slot_of[:num_experts]], dropped)
     as_placed = per_slot.view(ep.size, n_local).sum(1)
     stats.rank_rows = torch.stack([as_placed, as_placed if decision is None else
