@@ -72,6 +72,9 @@ def check_world(plan, nproc: int | None) -> None:
     if nproc is not None and nproc % plan.tp_size:
         raise UserError(f"--nproc {nproc} is not a multiple of the plan's tp_size {plan.tp_size}: "
                         "the world is split into TP groups of tp_size ranks")
+    if nproc is not None and nproc % plan.cp_size:
+        raise UserError(f"--nproc {nproc} is not a multiple of the plan's cp_size {plan.cp_size}: "
+                        "the world is split into context groups of cp_size ranks")
 
 
 def check_tensor_parallel(plan, config) -> None:
@@ -82,6 +85,15 @@ def check_tensor_parallel(plan, config) -> None:
     from .loading.patch import tensor_layout
 
     tensor_layout(meta_model(config), plan, lambda s: plan.matches(s.path, type(s.block).__name__))
+
+
+def check_context(plan, config) -> None:
+    """With ``cp_size > 1``: Ulysses gives each context rank heads / cp_size attention heads, refused here
+    rather than on every rank when cp_size does not divide them."""
+    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    if plan.cp_size > 1 and isinstance(heads, int) and heads % plan.cp_size:
+        raise UserError(f"cp_size {plan.cp_size} does not divide the model's {heads} attention heads (Ulysses "
+                        "gives each context rank heads / cp_size of them): choose a cp_size that divides it")
 
 
 def _experts_by_rank(plan, s) -> list[list[int]] | None:

@@ -6,7 +6,8 @@ forwards from the artifact and its EP group, runs forward and backward on its sh
 logits and every parameter gradient with the unmodified model run on the whole batch in the same
 process. The loss is a sum over the global batch, so replicated parameters' gradients are summed
 over the world and expert gradients over the ranks holding the same experts before comparing. With
-``tp_size > 1`` the ranks of a TP group share one batch and the dense parts are split over them: the
+``tp_size > 1`` the ranks of a TP group share one batch and the dense parts are split over them, and
+with ``cp_size > 1`` the ranks of a context group share one batch and split its sequence: the
 gradients are those of :func:`~hp_rewrite.sync.gradients.reduce_gradients` (means over the batches)
 times the number of batches, TP shards gathered.
 """
@@ -61,11 +62,12 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
     errors are taken against max(|reference gradient|, 1e-3 x the model's largest gradient).
     """
     ref_params = dict(ref.named_parameters())
-    if ep.tp_size > 1:  # the contract's means over the batches, times their number: the global sums
+    shared_batch = ep.tp_size > 1 or ep.cp_size > 1
+    if shared_batch:  # the contract's means over the batches, times their number: the global sums
         reduce_gradients(model, ep)
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(ep.dp_size)
+                p.grad.mul_(world // (ep.tp_size * ep.cp_size))
     # A parameter whose gradient is tiny next to the model's largest (an unused router of a hash
     # layer, a gate that barely moves) holds only rounding noise: measure it against 1e-3 of the
     # largest gradient instead of against itself.
@@ -80,10 +82,10 @@ def gradient_errors(model: nn.Module, ref: nn.Module, ep, world: int) -> dict[st
             grad = grad.full_tensor()
         ref_grad = ref_params[name].grad
         if name in weights:
-            if ep.replica_group is not None and ep.tp_size == 1:
+            if ep.replica_group is not None and not shared_batch:
                 dist.all_reduce(grad, group=ep.replica_group)
             ref_grad = None if ref_grad is None else local_rows(*weights[name], ref_grad)
-        elif world > 1 and ep.tp_size == 1:
+        elif world > 1 and not shared_batch:
             dist.all_reduce(grad)
         errors[name] = _rel(grad, torch.zeros_like(grad) if ref_grad is None else ref_grad, floor)
     return errors
@@ -124,9 +126,10 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     per_rank, seq = payload["batch_per_rank"], payload["seq_len"]
     gen = torch.Generator().manual_seed(payload.get("seed", 0))
     vocab = model.config.get_text_config().vocab_size
-    batches = world // plan.tp_size  # the ranks of a TP group share one batch
+    sharing = plan.tp_size * plan.cp_size  # the ranks of a TP or context group share one batch
+    batches = world // sharing
     ids = torch.randint(0, vocab, (per_rank * batches, seq), generator=gen)
-    mine = slice(rank // plan.tp_size * per_rank, (rank // plan.tp_size + 1) * per_rank)
+    mine = slice(rank // sharing * per_rank, (rank // sharing + 1) * per_rank)
 
     t0 = time.perf_counter()
     out = _logits(model(input_ids=ids[mine]))
@@ -142,6 +145,9 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     if split is not None:
         result["tensor_parallel"] = {"tp_size": plan.tp_size, "sequence_parallel": plan.sequence_parallel,
                                      "split_modules": split}
+    if info.context is not None:
+        result["context_parallel"] = {"cp_size": plan.cp_size, "scheme": plan.context.scheme,
+                                      "attention_modules": len(info.context.attention)}
     if ref is None:
         return result
 

@@ -203,6 +203,26 @@ def test_apply_tp_plan_nproc4_verify(tmp_path: Path) -> None:
     assert all(t["tp_size"] == 2 and t["sequence_parallel"] and t["split_modules"] > 0 for t in tp)
 
 
+def test_apply_context_plan_nproc4_verify(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    """plans/cp2-ep4.yaml: each sequence split over context groups of 2, the EP group over all 4 ranks,
+    against the unmodified model (logits and every gradient); a cp_size the heads refuse is a clean error."""
+    report = tmp_path / "report.json"
+    assert main(["apply", str(PLANS / "cp2-ep4.yaml"), str(tiny_dir), "--out", str(tmp_path / "gen"),
+                 "--nproc", "4", "--verify", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5
+    assert all(r["context_parallel"]["cp_size"] == 2 and r["context_parallel"]["attention_modules"] > 0
+               for r in data["ranks"])
+    capsys.readouterr()
+    plan = tmp_path / "cp3.yaml"
+    plan.write_text("version: 1\nep_size: 1\ncp_size: 3\n")
+    out = tmp_path / "gen3"
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(out), "--nproc", "3"]) == 2
+    err = capsys.readouterr().out
+    assert "cp_size 3 does not divide" in err and "attention heads" in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_tp_that_does_not_fit_the_model_is_a_clean_error(tiny_dir: Path, tmp_path: Path, capsys) -> None:
     plan = tmp_path / "tp4.yaml"
     plan.write_text("version: 1\nep_size: 4\ntp_size: 4\n")  # the tiny qwen3_moe has 2 key/value heads

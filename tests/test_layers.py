@@ -15,7 +15,7 @@ LAYERS = (
     ("hf",),
     ("kernels",),
     ("runtime",),
-    ("tensor",),
+    ("tensor", "context"),
     ("plan",),
     ("sync",),
     ("codegen",),

@@ -84,7 +84,7 @@ def test_canonical_is_complete_sorted_and_plain() -> None:
     canon = DEFAULT_PLAN.canonical()
     assert list(canon) == sorted(canon)
     assert set(canon) == {"version", "ep_size", "tp_size", "sequence_parallel", "modules", "archetype", "runtime", "routing",
-                          "placement", "output", "extensions"}
+                          "placement", "output", "extensions", "cp_size", "context"}
     assert list(canon["runtime"]) == sorted(canon["runtime"])
     assert canon["runtime"]["timeout_s"] is None and canon["runtime"]["capacity_factor"] is None
     assert json.loads(json.dumps(canon)) == canon
@@ -137,6 +137,7 @@ CHANGES = [
     "routing: {replay_rollout: true}",
     "output: {dir: generated}",
     "extensions: [my_pkg.archetypes]",
+    "cp_size: 2",
 ]
 
 
@@ -232,7 +233,7 @@ ERRORS = [
         "version: 1\nep_sise: 2\n",
         2,
         "ep_sise",
-        ["unknown key", "archetype, ep_size, extensions", "did you mean 'ep_size'"],
+        ["unknown key", "archetype, context, cp_size, ep_size, extensions", "did you mean 'ep_size'"],
     ),
     (
         HEAD + "archetype:\n  levle: block\n",
@@ -358,6 +359,26 @@ def test_document_level_errors(text: str, line: int, fragment: str) -> None:
     message = error_of(text)
     assert message.startswith(f"bad.yaml:{line}: ")
     assert fragment in message
+
+
+@pytest.mark.parametrize(("extra", "fix"), [
+    ("tp_size: 2", "tp_size: 1"),
+    ("runtime: {capacity_factor: 1.25}", "capacity_factor: null"),
+    ("routing: {aux_loss: global}", "aux_loss: micro_batch"),
+    ("routing: {z_loss_coef: 0.001}", "z_loss_coef: 0"),
+    ("routing: {replay_rollout: true}", "replay_rollout: false"),
+])
+def test_context_parallelism_refuses_what_it_does_not_compose_with(extra: str, fix: str) -> None:
+    message = error_of(f"version: 1\nep_size: 2\ncp_size: 2\n{extra}\n")
+    assert "cp_size 2 with" in message and f"set {fix}" in message and "or cp_size: 1" in message
+
+
+def test_context_section() -> None:
+    plan = parse_plan("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ulysses}\n")
+    assert (plan.cp_size, plan.context.scheme) == (2, "ulysses")
+    assert plan.hash() == parse_plan("version: 1\nep_size: 2\ncp_size: 2\n").hash()
+    assert "choose one of: ulysses" in error_of("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ring}\n")
+    assert ">= 1" in error_of("version: 1\nep_size: 2\ncp_size: 0\n")
 
 
 def test_python_tags_never_construct(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def register(sub) -> None:
 
 def apply(args: ApplyArgs) -> int:
     from ..apply import (
+        check_context,
         check_tensor_parallel,
         check_world,
         generate_artifact,
@@ -60,6 +61,7 @@ def apply(args: ApplyArgs) -> int:
     out_dir = output_dir(plan, args.out)
     check_world(plan, args.nproc)
     check_tensor_parallel(plan, config)
+    check_context(plan, config)
     gen = generate_artifact(plan, config, args.model_dir, out_dir)
     timings = {"generate_s": time.perf_counter() - t0}
     print_modules(gen.modules, gen.unmatched, gen.excluded, gen.artifact, cached=gen.cached)
@@ -153,6 +155,10 @@ def print_kernels(ranks: list[dict]) -> None:
     if tp:
         console.print(f"tensor parallel: tp_size {tp['tp_size']}, {tp['split_modules']} dense modules split"
                       + (", sequence parallel" if tp["sequence_parallel"] else ""), highlight=False)
+    cp = ranks[0].get("context_parallel") if ranks else None
+    if cp:
+        console.print(f"context parallel ({cp['scheme']}): cp_size {cp['cp_size']}, each sequence split after the "
+                      f"embeddings, {cp['attention_modules']} attention modules exchanging heads", highlight=False)
 
 
 def print_verify(ranks: list[dict]) -> None:

@@ -64,7 +64,7 @@ def expert_parallel_group_for(plan: Plan, mesh: DeviceMesh | None = None,
             raise ExpertParallelError("a device mesh needs torch.distributed initialised (launch with torchrun)")
         return ExpertParallelGroup.single()
     return build_expert_parallel_group(plan.ep_size, timeout_s=plan.runtime.timeout_s, mesh=mesh,
-                                       tp_size=plan.tp_size)
+                                       tp_size=plan.tp_size, cp_size=plan.cp_size)
 
 
 def rewrite_model(model: nn.Module, plan: Plan, ep: ExpertParallelGroup | None = None,
@@ -106,11 +106,13 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
 
     if info.plan.tp_size > 1:
         info.tensor = split_dense(model, info.plan, info.ep, info.patched)
+    if info.plan.cp_size > 1:
+        info.context = split_context(model, info.plan, info.ep)
     routing = info.plan.routing
     if routing.freeze_router:  # before any engine or optimizer sees the router parameters
         freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
-    install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1)
+    install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1 or info.ep.cp_size > 1)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     install_replay(model, routing.replay_in_recompute)
     if routing.aux_loss == "global" or routing.z_loss_coef:
@@ -161,8 +163,9 @@ def load_summary(model: nn.Module, info: RewriteInfo) -> str:
             if (b := installed.binding(m)) is not None}
     experts = ", ".join(sorted(held)) or "none"
     tp = f"TP {info.plan.tp_size}" + (" with sequence parallelism" if info.plan.sequence_parallel else "")
+    cp = f", CP {info.plan.cp_size} ({info.plan.context.scheme})" if info.plan.cp_size > 1 else ""
     return (f"hp-rewrite: {len(info.patched)} MoE block(s) expert-parallel, EP {info.ep.size} "
-            f"(rank {info.ep.rank} of its EP group holds {experts} experts per block), {tp}, "
+            f"(rank {info.ep.rank} of its EP group holds {experts} experts per block), {tp}{cp}, "
             f"plan {info.plan.hash()[:12]}")
 
 
@@ -182,6 +185,17 @@ def tensor_layout(model: nn.Module, plan: Plan, selected) -> object:
 
     blocks = [MoeBlockSpec(s.path, s.experts_name, s.shared_name) for s in find_blocks(model) if selected(s)]
     return plan_layout(model, blocks, plan.tp_size)
+
+
+def split_context(model: nn.Module, plan: Plan, ep: ExpertParallelGroup):
+    """The sequence split over the EP group's context group (:mod:`hp_rewrite.context`)."""
+    from ..context import install_context
+
+    if ep.cp_size != plan.cp_size:
+        raise ExpertParallelError(
+            f"the plan's cp_size is {plan.cp_size} but the EP group's context group has {ep.cp_size} rank(s): "
+            "build it with build_expert_parallel_group(ep_size, cp_size=...), or leave ep to hp-rewrite")
+    return install_context(model, ep.cp_group, ep.cp_rank, ep.cp_size)
 
 
 def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: list[str]):

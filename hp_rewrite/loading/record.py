@@ -38,6 +38,7 @@ class RewriteInfo:
     fsdp: object | None = None  # the meshes of hp_rewrite.fully_shard, once applied (training.fsdp)
     runtime: ExchangeRuntime | None = None  # what its MoE layers share: the deferred-gradient queue, turn hook
     tensor: object | None = None  # the TP layout of the dense parts (hp_rewrite.tensor), with tp_size > 1
+    context: object | None = None  # the sequence split (hp_rewrite.context.ContextSplit), with cp_size > 1
     routing: ModelRouting | None = None  # the routing counts the plan's routing section asks for
     summary: str = ""  # what this rank holds, one line (logged at load: load_summary)
     original_save_pretrained: Callable | None = None  # the model's own, before the one that gathers experts

@@ -53,14 +53,15 @@ def start_launched_world() -> str:
 
 
 def parallel_sizes(plan) -> str:
-    return f"ep_size={plan.ep_size}" + (f" and tp_size={plan.tp_size}" if plan.tp_size > 1 else "")
+    return (f"ep_size={plan.ep_size}" + (f" and tp_size={plan.tp_size}" if plan.tp_size > 1 else "")
+            + (f" and cp_size={plan.cp_size}" if plan.cp_size > 1 else ""))
 
 
 def ensure_world(plan, single_process: bool = False) -> bool:
     """Whether ``plan`` runs over a ``torch.distributed`` world: True when one is initialised (started here
     under a launcher if the plan is parallel and none was yet); False for one process, which a parallel plan
     is only with ``single_process=True`` (logged: the model is then not expert-parallel)."""
-    parallel = plan.ep_size > 1 or plan.tp_size > 1
+    parallel = plan.ep_size > 1 or plan.tp_size > 1 or plan.cp_size > 1
     if single_process:
         if parallel:
             transformers_logger("hp_rewrite").warning(
@@ -77,5 +78,5 @@ def ensure_world(plan, single_process: bool = False) -> bool:
     raise ExpertParallelError(
         f"the plan asks for {parallel_sizes(plan)}, but this process was not started by a distributed launcher "
         "and torch.distributed is not initialised: launch it with torchrun --nproc-per-node N (N a multiple of "
-        f"{max(plan.ep_size, plan.tp_size)}), or pass single_process=True to load the model whole in this "
+        f"{max(plan.ep_size, plan.tp_size, plan.cp_size)}), or pass single_process=True to load the model whole in this "
         "process, not expert-parallel (for inspection or a notebook)")

@@ -33,6 +33,7 @@ BalanceKind = Literal["off", "auto"]
 RouterDtype = Literal["auto", "fp32", "logits"]
 PlacementStrategy = Literal["contiguous", "balanced"]
 AuxLossKind = Literal["micro_batch", "global"]
+ContextScheme = Literal["ulysses"]
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,17 @@ class PlacementSection(_Section):
         return self.loads.get(path)
 
 
+class ContextSection(_Section):
+    """How a context-parallel model (plan ``cp_size > 1``) splits its attention over the context group.
+
+    ``scheme``: ``ulysses`` (DeepSpeed-Ulysses): every layer but attention holds this rank's share of the
+    sequence; attention exchanges heads for sequence with two all-to-alls, runs over the whole sequence with
+    ``heads / cp_size`` heads, and exchanges back. The only scheme so far (ring attention may follow).
+    """
+
+    scheme: ContextScheme = "ulysses"
+
+
 class OutputSection(_Section):
     """Where generated code goes; None defers to the CLI's ``--out`` or its default."""
 
@@ -236,7 +248,7 @@ def _check_module_name(name: str) -> str:
 
 
 ModuleName = Annotated[str, AfterValidator(_check_module_name)]
-_SECTIONS = ("modules", "archetype", "runtime", "routing", "placement", "output", "extensions")
+_SECTIONS = ("modules", "archetype", "runtime", "routing", "placement", "context", "output", "extensions")
 
 
 class Plan(_Section):
@@ -248,11 +260,15 @@ class Plan(_Section):
     # TP group share one batch); sequence_parallel shards the residual stream and its norms on the sequence
     tp_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
+    # context parallelism over groups of cp_size consecutive ranks (the ranks of one context group share one
+    # batch, each holds its share of every sequence; the scheme is the context section's)
+    cp_size: int = Field(1, ge=1)
     modules: ModulesSection = Field(default_factory=ModulesSection)
     archetype: ArchetypeSection = Field(default_factory=ArchetypeSection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
+    context: ContextSection = Field(default_factory=ContextSection)
     output: OutputSection = Field(default_factory=OutputSection)
     # Dotted module names the rewriter imports so they can register archetypes. Only validated
     # here: the plan layer never imports anything.
@@ -281,10 +297,25 @@ class Plan(_Section):
         if self.runtime.balance != "off" and self.tp_size > 1:
             raise ValueError("runtime.balance: auto with tp_size > 1 (TP-extended EP) is not supported yet: set "
                              "runtime.balance: off, or tp_size: 1")
+        self._context_composes()
         if self.runtime.balance != "off" and self.routing.replay_rollout:
             raise ValueError("runtime.balance: auto with routing.replay_rollout: true is not supported yet: set one "
                              "of them off")
         return self
+
+    def _context_composes(self) -> None:
+        """What context parallelism does not compose with yet, refused by field."""
+        if self.cp_size == 1:
+            return
+        refused = [("tp_size > 1", self.tp_size > 1, "tp_size: 1"),
+                   ("runtime.capacity_factor", self.runtime.capacity_factor is not None,
+                    "capacity_factor: null (capacity would be decided on each rank's share of a sequence)"),
+                   ("routing.aux_loss: global", self.routing.aux_loss == "global", "aux_loss: micro_batch"),
+                   ("routing.z_loss_coef", self.routing.z_loss_coef > 0, "z_loss_coef: 0"),
+                   ("routing.replay_rollout: true", self.routing.replay_rollout, "replay_rollout: false")]
+        for what, on, fix in refused:
+            if on:
+                raise ValueError(f"cp_size {self.cp_size} with {what} is not supported yet: set {fix}, or cp_size: 1")
 
     @field_validator("version")
     @classmethod

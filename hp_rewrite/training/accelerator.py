@@ -265,6 +265,11 @@ def prepare_accelerator(accelerator):
                 "(its DDP / FSDP wrapper and data loader would treat TP ranks as separate batches); train it in a "
                 "loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
             )
+        if any(_is_ep_model(a) and record_of(a).ep.cp_size > 1 for a in args):
+            raise ExpertParallelError(
+                "prepare_accelerator: a context-parallel model (cp_size > 1) is not supported through accelerate yet "
+                "(its data loader would give the ranks of a context group different batches); train it in a loop "
+                "with DistributedDataParallel, hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use cp_size: 1")
         if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             models = [a for a in args if _is_ep_model(a)]

@@ -147,6 +147,12 @@ def prepare_trainer(trainer):
             "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
+    if record_of(model).ep.cp_size > 1:
+        raise ExpertParallelError(
+            f"prepare_trainer: a context-parallel model (cp_size {record_of(model).ep.cp_size}) is not supported "
+            "through Trainer yet (its sampler would give the ranks of a context group different batches); train it "
+            "in a loop with DistributedDataParallel, hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use "
+            "cp_size: 1")
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):

@@ -25,6 +25,7 @@ from ..errors import ExpertParallelError
 EP_DIM = "ep"  # the mesh dimension of the EP groups: the last one (consecutive ranks)
 EXPERT_DP_DIMS = ("dp_replicate", "efsdp")  # mesh dimensions over which ranks hold the same experts
 TP_DIM = "tp"  # the last dimension of the dense parts' mesh ("dp", "tp"): TP groups are consecutive ranks
+CP_DIM = "cp"  # the last dimension of the context mesh ("dp", "cp"): context groups are consecutive ranks
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class ExpertParallelGroup:
     tp_size, tp_rank, tp_group, tp_mesh: the tensor-parallel group (plan ``tp_size``) and the dense
         parts' mesh (``("dp", "tp")``). The ranks of a TP group share one batch; each routes and
         dispatches only its share of the tokens (:mod:`.tokens`), so no token is routed twice.
+    cp_size, cp_rank, cp_group, cp_mesh: the context group (plan ``cp_size``) and its mesh (``("dp", "cp")``).
+        Its ranks share one batch and each holds its share of every sequence (:mod:`hp_rewrite.context`),
+        whose gradients reach the rest of the model scaled by ``cp_size``: to the runtime and the gradient
+        contract a context rank is one more data-parallel rank, and the EP groups span context ranks as
+        they span data-parallel ones.
     """
 
     size: int = 1
@@ -52,10 +58,15 @@ class ExpertParallelGroup:
     tp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     tp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     @property
     def dp_size(self) -> int:
-        """How many batches one step sees: the world over the TP size (gradients are means over them)."""
+        """How many batches one step sees: the world over the TP size (gradients are means over them).
+        Context ranks count as batches: their shares' gradients come scaled by ``cp_size``."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return world // self.tp_size
 
@@ -240,13 +251,20 @@ def tensor_parallel_mesh(tp_size: int, timeout_s: float | None = None) -> Device
     return _consecutive_mesh(("dp", TP_DIM), "tp_size", tp_size, timeout_s)
 
 
+def context_parallel_mesh(cp_size: int, timeout_s: float | None = None) -> DeviceMesh:
+    """``("dp", "cp")`` over the initialised world: context groups of ``cp_size`` consecutive ranks."""
+    return _consecutive_mesh(("dp", CP_DIM), "cp_size", cp_size, timeout_s)
+
+
 def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
-                                mesh: DeviceMesh | None = None, tp_size: int = 1) -> ExpertParallelGroup:
+                                mesh: DeviceMesh | None = None, tp_size: int = 1,
+                                cp_size: int = 1) -> ExpertParallelGroup:
     """The EP and replica groups over the initialised default world, from ``mesh`` (the user's) or
     from :func:`expert_parallel_mesh`; with ``tp_size > 1`` also the TP group, from ``mesh`` (then the
     user's ``("dp", "tp")`` mesh of the dense parts) or from :func:`tensor_parallel_mesh`. EP groups are
     consecutive ranks too, so an EP group spans whole TP groups (the seed's TP-extended EP group) or
-    a TP group whole EP groups.
+    a TP group whole EP groups. With ``cp_size > 1`` also the context group, from
+    :func:`context_parallel_mesh` (the EP groups are cut from the world as without it).
 
     Every rank must call it (building a mesh is collective). Without a ``mesh`` the groups are built
     once per world and (``ep_size``, ``tp_size``, ``timeout_s``) and returned again to every later call
@@ -257,7 +275,7 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
         raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
     if not (dist.is_available() and dist.is_initialized()):
-        if ep_size != 1 or mesh is not None or tp_size != 1:
+        if ep_size != 1 or mesh is not None or tp_size != 1 or cp_size != 1:
             which = f"ep_size={ep_size}" if tp_size == 1 else f"ep_size={ep_size} with tp_size={tp_size}"
             raise ExpertParallelError(
                 f"{which} needs torch.distributed initialised with a world size that is a "
@@ -266,11 +284,19 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
         return ExpertParallelGroup.single()
     if mesh is None:  # one set of groups (NCCL communicators) per world and layout, for every model
         built = _BUILT.setdefault(dist.distributed_c10d._get_default_group(), {})
-        key = (ep_size, tp_size, timeout_s or None)
+        key = (ep_size, tp_size, cp_size, timeout_s or None)
         if key not in built:
-            built[key] = _build(ep_size, None, tp_size, timeout_s)
+            built[key] = _with_context(_build(ep_size, None, tp_size, timeout_s), cp_size, timeout_s)
         return built[key]
-    return _build(ep_size, mesh, tp_size, timeout_s)
+    return _with_context(_build(ep_size, mesh, tp_size, timeout_s), cp_size, timeout_s)
+
+
+def _with_context(ep: ExpertParallelGroup, cp_size: int, timeout_s: float | None) -> ExpertParallelGroup:
+    if cp_size == 1:
+        return ep
+    mesh = context_parallel_mesh(cp_size, timeout_s)
+    cp = mesh[CP_DIM]
+    return replace(ep, cp_size=cp_size, cp_rank=cp.get_local_rank(), cp_group=cp.get_group(), cp_mesh=mesh)
 
 
 # The groups built for each world (keyed by its default process group, so a destroyed and re-initialised

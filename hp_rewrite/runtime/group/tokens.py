@@ -29,7 +29,7 @@ def bounds(length: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _gather_rows(x: torch.Tensor, length: int, group, size: int) -> torch.Tensor:
+def all_gather_rows(x: torch.Tensor, length: int, group, size: int) -> torch.Tensor:
     """Every rank's rows of ``length`` (dim 0), in rank order; ranks hold ``bounds`` rows each."""
     most = bounds(length, size, 0)[1]
     padded = x.new_zeros((most, *x.shape[1:]))
@@ -50,7 +50,7 @@ class _Share(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows = grad.movedim(ctx.dim, 0)
-        full = _gather_rows(rows.contiguous(), ctx.length, ctx.group, ctx.size)
+        full = all_gather_rows(rows.contiguous(), ctx.length, ctx.group, ctx.size)
         return full.movedim(0, ctx.dim), None, None, None, None
 
 
@@ -58,7 +58,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rank, size, dim, length):
         ctx.rank, ctx.size, ctx.dim, ctx.length = rank, size, dim, length
-        full = _gather_rows(x.movedim(dim, 0).contiguous(), length, group, size)
+        full = all_gather_rows(x.movedim(dim, 0).contiguous(), length, group, size)
         return full.movedim(0, dim)
 
     @staticmethod

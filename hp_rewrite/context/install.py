@@ -1,0 +1,165 @@
+"""Make a loaded model context-parallel: hooks on its decoder, Ulysses attention in its attention modules.
+
+The decoder (``model.get_decoder()``, the module holding ``layers``) is left as transformers wrote it:
+
+* before it runs, a pre-hook hands every decoder layer and attention call this forward's
+  :class:`~.shard.Shares` through the keyword arguments transformers already passes down (so activation
+  checkpointing's recomputation sees the same), and turns off the cache: a cache of shares is nothing a
+  later call could continue from. Masks and position ids are built by the decoder for the whole sequence.
+* the first layer takes this rank's share of the embeddings; every layer takes its share of the position
+  embeddings;
+* after it, the last hidden state, any recorded hidden states and router logits are gathered whole.
+
+A forward given a cache (``generate`` passes one) is not split: every rank of the group runs the whole
+sequence, in lockstep with the expert exchange as without context parallelism. Nor is a sequence shorter
+than the group (a rank would hold no position, which models' ``view(batch, length, -1, head_dim)`` cannot
+take); a longer one that the group does not divide is split unevenly, ``torch.tensor_split``'s way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import ContextParallelError
+from .shard import Shares, gather_sequence, gather_token_rows, share_sequence
+from .ulysses import SHARES_KW, use_ulysses
+
+
+class ContextSplit:
+    """What an install leaves on the model (``model.hp_rewrite.context``): the group and the modules."""
+
+    def __init__(self, group, rank: int, size: int, decoder: nn.Module, attention: list[nn.Module]) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.decoder, self.attention = decoder, attention
+        self.checked = False
+
+    def shares(self, length: int) -> Shares:
+        return Shares(self.group, self.rank, self.size, length)
+
+    def check_same_batch(self, ids: torch.Tensor) -> None:
+        """The ranks of a context group must hold one batch: a sampler over the world gives each its own,
+        which would run without an error and train on a mix. Compared once, at the first split forward."""
+        if self.checked:
+            return
+        values = ids.detach().double()
+        mine = torch.stack([values.sum(), values.square().sum(),
+                            torch.tensor(float(values.numel()), dtype=torch.float64, device=ids.device)])
+        seen = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(seen, mine, group=self.group)
+        if not all(torch.allclose(s, seen[0], rtol=1e-9, atol=0.0) for s in seen):
+            raise ContextParallelError(
+                "cp_size > 1: the ranks of a context group got different batches; give the cp_size consecutive "
+                "ranks of a group the same batch (their data-parallel rank is rank // cp_size, e.g. a "
+                "DistributedSampler with num_replicas=world_size // cp_size, rank=rank // cp_size)")
+        self.checked = True
+
+
+def _decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    for candidate in (decoder, getattr(model, "base_model", None), model, *model.modules()):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return candidate, layers
+    raise ContextParallelError(
+        f"cp_size > 1: {type(model).__name__} has no decoder with a 'layers' list (transformers' decoder-only "
+        "layout), so its sequence cannot be split; set cp_size: 1")
+
+
+def _attention_modules(layer: nn.Module, index: int) -> list[nn.Module]:
+    found = [m for m in layer.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "config")]
+    if not found:
+        raise ContextParallelError(
+            f"cp_size > 1: decoder layer {index} ({type(layer).__name__}) has no attention module that calls "
+            "transformers' attention interface (with num_key_value_groups and config); set cp_size: 1")
+    return found
+
+
+def _first_tensor(args, kwargs, name: str):
+    return kwargs[name] if name in kwargs else (args[0] if args else None)
+
+
+def _share_positions(value, shares: Shares):
+    """The position embeddings (a tensor or a tuple of them, ``[B, length, ...]``) at this rank's positions."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == shares.length:
+        return share_sequence(value, shares)
+    if isinstance(value, tuple):
+        return tuple(_share_positions(v, shares) for v in value)
+    return value
+
+
+def install_context(model: nn.Module, group, rank: int, size: int) -> ContextSplit:
+    """Split ``model``'s sequences over the context ``group`` (module doc); refused, naming what is missing,
+    for a model without transformers' decoder layout or attention interface, or heads ``size`` cannot split."""
+    decoder, layers = _decoder(model)
+    attention = [m for i, layer in enumerate(layers) for m in _attention_modules(layer, i)]
+    heads = getattr(attention[0].config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % size:
+        raise ContextParallelError(
+            f"cp_size {size} does not divide {type(model).__name__}'s {heads} attention heads (Ulysses gives each "
+            "rank heads / cp_size of them): choose a cp_size that divides it")
+    use_ulysses(attention)
+    state = ContextSplit(group, rank, size, decoder, attention)
+
+    def enter(module, args, kwargs):
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            return None  # generate's (or a decoding loop's) forward: the whole sequence on every rank
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        source = ids if ids is not None else kwargs.get("inputs_embeds")
+        if source is None:
+            return None
+        state.check_same_batch(source)
+        if source.shape[1] < state.size:  # a rank would hold no position, which models cannot view: unsplit
+            return None
+        return args, {**kwargs, "use_cache": False, SHARES_KW: state.shares(source.shape[1])}
+
+    def first_layer(module, args, kwargs):
+        shares = kwargs.get(SHARES_KW)
+        if shares is None:
+            return None
+        hidden = _first_tensor(args, kwargs, "hidden_states")
+        if hidden.shape[1] == shares.length:
+            hidden = share_sequence(hidden, shares)
+        args = (hidden, *args[1:]) if "hidden_states" not in kwargs else args
+        kwargs = {**kwargs, **({"hidden_states": hidden} if "hidden_states" in kwargs else {})}
+        return args, _with_positions(kwargs, shares)
+
+    def every_layer(module, args, kwargs):
+        shares = kwargs.get(SHARES_KW)
+        return None if shares is None else (args, _with_positions(kwargs, shares))
+
+    def leave(module, args, kwargs, output):
+        shares = kwargs.get(SHARES_KW)
+        if shares is None:
+            return None
+        batch = output.last_hidden_state.shape[0]
+        output.last_hidden_state = gather_sequence(output.last_hidden_state, shares)
+        if getattr(output, "hidden_states", None) is not None:
+            output.hidden_states = tuple(h if h.shape[1] == shares.length else gather_sequence(h, shares)
+                                         for h in output.hidden_states)
+        if getattr(output, "router_logits", None) is not None:
+            output.router_logits = tuple(_gather_router_logits(r, shares, batch) for r in output.router_logits)
+        return output
+
+    decoder.register_forward_pre_hook(enter, with_kwargs=True)
+    layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
+    for layer in layers[1:]:
+        layer.register_forward_pre_hook(every_layer, with_kwargs=True)
+    decoder.register_forward_hook(leave, with_kwargs=True)
+    return state
+
+
+def _with_positions(kwargs: dict, shares: Shares) -> dict:
+    if kwargs.get("position_embeddings") is None:
+        return kwargs
+    return {**kwargs, "position_embeddings": _share_positions(kwargs["position_embeddings"], shares)}
+
+
+def _gather_router_logits(logits, shares: Shares, batch: int):
+    if not isinstance(logits, torch.Tensor):
+        return logits
+    if logits.dim() == 3:  # [B, local, experts]
+        return gather_sequence(logits, shares)
+    return gather_token_rows(logits, shares, batch)

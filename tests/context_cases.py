@@ -1,0 +1,170 @@
+"""Context x expert (x data) parallelism against the unmodified model, on every rank of one gloo world.
+
+The ranks of a context group (consecutive ranks) share one batch and each holds its share of every
+sequence; the context groups hold consecutive batches of the concatenated batch the unmodified model runs
+on. Every case compares the logits (whole sequence, every rank), the loss with transformers' own loss and
+load-balancing loss, and every gradient after the gradient sync the case names.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hp_rewrite import sync_gradients
+from hp_rewrite.loading.patch import rewrite_model
+from hp_rewrite.plan import parse_plan
+from hp_rewrite.runtime.binding.install import expert_weights, local_rows
+from hp_rewrite.tiny import build_tiny_model, tiny_config
+
+TOL = 1e-5
+BF16_TOL = 3e-2
+PER_BATCH = 2
+
+
+def reference(case: dict, dtype: torch.dtype):
+    config = tiny_config(case["model_type"])
+    if case.get("kv_heads"):
+        config.num_key_value_heads = case["kv_heads"]
+    if hasattr(config, "router_jitter_noise"):  # PhiMoE's training-mode noise: not comparable between two models
+        config.router_jitter_noise = 0.0
+    if case.get("sliding") and getattr(config, "sliding_window", None):
+        config.sliding_window = case["sliding"]
+    if case.get("heads"):
+        config.num_attention_heads = case["heads"]
+    config.output_router_logits = bool(case.get("aux", True)) and hasattr(config, "router_aux_loss_coef")
+    model = build_tiny_model(config, seed=0)
+    if case.get("attn", "sdpa") != "eager":
+        model.set_attn_implementation(case.get("attn", "sdpa"))
+    return model.to(dtype).train()
+
+
+def _plan(case: dict) -> str:
+    text = f"version: 1\nep_size: {case['ep']}\ncp_size: {case['cp']}\n"
+    if case.get("balance"):  # every layer lends rows (threshold 1, any piece)
+        text += "runtime:\n  balance: auto\n  balance_threshold: 1.0\n  balance_min_rows: 1\n"
+    return text
+
+
+def _batch(case: dict, vocab: int, dp: int):
+    seq = case.get("seq", 12)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (PER_BATCH * dp, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    if case.get("padding"):  # left padding on the first row of every batch
+        mask[::PER_BATCH, :3] = 0
+    return ids, mask
+
+
+def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
+    dtype = torch.bfloat16 if case.get("bf16") else torch.float32
+    ref = reference(case, dtype)
+    if case.get("checkpointing"):  # as TRL's SFTConfig: recomputation in the backward, non-reentrant
+        ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = rewrite_model(copy.deepcopy(ref), parse_plan(_plan(case)), artifact_dir=Path(out_dir))
+    if case.get("generate"):
+        return _generate(rank, case, ref, model)
+    cp = case["cp"]
+    dp = world // cp
+    ids, mask = _batch(case, ref.config.get_text_config().vocab_size, dp)
+    mine = slice(rank // cp * PER_BATCH, (rank // cp + 1) * PER_BATCH)
+    labels = ids.masked_fill(mask == 0, -100)
+    # the unmodified model on each data-parallel batch (the load-balancing loss is per micro-batch, as
+    # transformers'), gradients averaged over the batches: what DDP makes of data parallelism alone
+    ref_outs = [ref(input_ids=ids[b * PER_BATCH:(b + 1) * PER_BATCH], attention_mask=mask[b * PER_BATCH:(b + 1) * PER_BATCH],
+                    labels=labels[b * PER_BATCH:(b + 1) * PER_BATCH]) for b in range(dp)]
+    (sum(o.loss for o in ref_outs) / dp).backward()
+    ref_out = ref_outs[rank // cp]
+    seen = []  # the sequence length the decoder layers and the experts run on: this rank's share
+    decoder = model.hp_rewrite.context.decoder
+    decoder.layers[-1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    if case.get("engine") == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif case.get("engine") == "fsdp":  # FSDP2 over the data x context ranks: a mean over them, as DDP's
+        import hp_rewrite
+
+        hp_rewrite.fully_shard(model)
+    out = model(input_ids=ids[mine], attention_mask=mask[mine], labels=labels[mine])
+    out.loss.backward()
+    inner = model.module if case.get("engine") == "ddp" else model
+    if case.get("engine") not in ("ddp", "fsdp"):
+        sync_gradients(inner)
+    target = ref_out.logits.float()
+    logits = ((out.logits.float() - target).abs().max() / target.abs().max()).item()
+    loss = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
+    grad, grad_name = worst_grad(inner, ref)
+    moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
+    return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name,
+            "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None}
+
+
+def _generate(rank: int, case: dict, ref, model) -> dict:
+    """Greedy generation from each context group's prompt (lockstep with the expert exchange)."""
+    prompt = torch.randint(0, ref.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(rank // case["cp"]))
+    seen = []
+    model.hp_rewrite.context.decoder.layers[-1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        got = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return {"tokens": got.tolist(), "reference": want.tolist(), "layer_seq_generate": seen[0], "prompt": 6}
+
+
+def worst_grad(model, ref) -> tuple[float, str]:
+    """The largest gradient error of any parameter, relative to that parameter's largest gradient (a parameter
+    the unmodified model gives no gradient must get none, or zeros)."""
+    weights = expert_weights(model)
+    ref_params = dict(ref.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        target = ref_params[name].grad
+        if target is None:
+            target = torch.zeros_like(ref_params[name])
+        if name in weights:  # this rank's experts' rows of the reference
+            target = local_rows(*weights[name], target)
+        value = p.grad if p.grad is not None else torch.zeros_like(target)
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        err = ((value.float() - target.float()).abs().max() / max(target.abs().max().item(), 1e-12)).item()
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def _dispatch_stats(model) -> list:
+    from hp_rewrite.runtime import installed
+
+    return [s for m in model.modules() if installed.binding(m) is not None
+            and (s := installed.last_stats(m)) is not None]
+
+
+def refusal(case: dict, out_dir: str) -> str:
+    """The message a case that cannot work raises (empty: it did not raise)."""
+    from hp_rewrite.errors import UserError
+
+    try:
+        ref = reference(case, torch.float32)
+        model = rewrite_model(ref, parse_plan(_plan(case)), artifact_dir=Path(out_dir))
+        if case.get("engine") == "trainer":
+            from transformers import Trainer, TrainingArguments
+
+            import hp_rewrite
+
+            args = TrainingArguments(output_dir=str(Path(out_dir) / "trainer"), report_to=[], use_cpu=True)
+            hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
+        rank = dist.get_rank()
+        ids = torch.full((1, case.get("seq", 12)), rank if case.get("engine") == "batch_per_rank" else 0)
+        model(input_ids=ids)
+    except UserError as e:
+        return str(e)
+    return ""
+
+
+def context_world(rank: int, world: int, payload: dict) -> dict:
+    """Every case of ``payload`` (:func:`run_case`) and the refusals' messages."""
+    torch.set_num_threads(1)
+    results = {c["id"]: run_case(rank, world, c, payload["out_dir"]) for c in payload["cases"]}
+    results.update({c["id"]: refusal(c, payload["out_dir"]) for c in payload.get("refusals", [])})
+    return results
