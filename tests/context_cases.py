@@ -110,7 +110,10 @@ def _generate(rank: int, case: dict, ref, model) -> dict:
     with torch.no_grad():
         want = ref.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
         got = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    return {"tokens": got.tolist(), "reference": want.tolist(), "layer_seq_generate": seen[0], "prompt": 6}
+        torch.manual_seed(rank)  # each rank its own random stream: the group still returns one sample
+        sampled = model.generate(prompt, max_new_tokens=4, do_sample=True, pad_token_id=0)
+    return {"tokens": got.tolist(), "reference": want.tolist(), "layer_seq_generate": seen[0], "prompt": 6,
+            "sampled": sampled.tolist()}
 
 
 def worst_grad(model, ref) -> tuple[float, str]:
@@ -147,13 +150,6 @@ def refusal(case: dict, out_dir: str) -> str:
     try:
         ref = reference(case, torch.float32)
         model = rewrite_model(ref, parse_plan(_plan(case)), artifact_dir=Path(out_dir))
-        if case.get("engine") == "trainer":
-            from transformers import Trainer, TrainingArguments
-
-            import hp_rewrite
-
-            args = TrainingArguments(output_dir=str(Path(out_dir) / "trainer"), report_to=[], use_cpu=True)
-            hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
         rank = dist.get_rank()
         ids = torch.full((1, case.get("seq", 12)), rank if case.get("engine") == "batch_per_rank" else 0)
         model(input_ids=ids)

@@ -26,6 +26,12 @@ sys.path.insert(0, str(ROOT))
 
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows  # noqa: E402
+from tests.context_engines import (  # noqa: E402, F401 (cases run by name)
+    case_context_accelerate,
+    case_context_accelerate_refusal,
+    case_context_grpo,
+    case_context_sft,
+)
 from tests.engine_cases import _error  # noqa: E402
 from tests.engine_script import (  # noqa: E402
     PER_DEVICE,

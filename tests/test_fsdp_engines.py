@@ -22,7 +22,8 @@ TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_s
              "trainer_sharded", "sft", "sft_sgd", "sft_bf16", "trainer_lora_experts", "trainer_lora_fp8_kept", "sft_lora_bf16", "accelerate_lora",
              "accelerate_lora_presharded", "grpo", "grpo_lora", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
-              "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux"]
+              "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux", "context_sft", "context_accelerate",
+              "context_accelerate_refusal", "context_grpo"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 # bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
 # so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
@@ -246,3 +247,30 @@ def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
         assert "load_best_model_at_end" in r["best_model"], r
         assert "modules_to_save" in r["peft_unsaved"] and "mlp.gate.weight" in r["peft_unsaved"], r
         assert "peft.get_peft_model" in r["add_adapter"], r
+
+
+@pytest.mark.parametrize("case", ["context_sft", "context_accelerate"])
+def test_context_parallel_through_the_engines_equals_unmodified(case: str, four) -> None:
+    """cp_size 2 x 2 data-parallel ranks (tests/context_engines.py): TRL's SFTTrainer (activation checkpointing,
+    padding, num_items_in_batch, 2 accumulated micro-batches, clipping) and a prepared Accelerator's DDP loop
+    against the unmodified model under the same engine fed one batch per context group: the same logs and
+    weights; each context group got one batch and the groups different ones; the layers ran on shares."""
+    for rank, r in enumerate(four[case]):
+        assert r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst_name"], r["worst"], r["moved"])
+        partner = four[case][rank ^ 1]  # the other rank of this context group
+        other = four[case][(rank + 2) % 4]  # a rank of the other group
+        assert r["ep"]["firsts"][0] == partner["ep"]["firsts"][0] != other["ep"]["firsts"][0], (rank, r["ep"])
+        assert r["ep"]["firsts"] == r["ref"]["firsts"], (rank, r["ep"], r["ref"])
+        assert r["ep"]["lengths"][0] < r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])  # a share of the sequence
+        if case == "context_sft":
+            assert r["ep"]["checkpointing"], r
+            assert_logs_agree(r["ep"]["logs"], r["ref"]["logs"], context=rank)
+        else:
+            assert r["ep"]["norm"] == pytest.approx(r["ref"]["norm"], rel=1e-6) and r["ep"]["batches"] == 2, r
+
+
+def test_context_parallel_refusals_name_the_plan_field(four) -> None:
+    for r in four["context_accelerate_refusal"]:
+        assert "cp_size: 2 in the hp-rewrite plan" in r["message"], r
+    for r in four["context_grpo"]:
+        assert "GRPOTrainer" in r["message"] and "cp_size: 1" in r["message"], r

@@ -112,7 +112,8 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
     if routing.freeze_router:  # before any engine or optimizer sees the router parameters
         freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
-    install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1 or info.ep.cp_size > 1)
+    install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1 or info.ep.cp_size > 1,
+                                info.ep.cp_group if info.ep.cp_size > 1 else None)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     install_replay(model, routing.replay_in_recompute)
     if routing.aux_loss == "global" or routing.z_loss_coef:

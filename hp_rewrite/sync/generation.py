@@ -11,12 +11,18 @@ a rewritten model whose group spans several ranks, as transformers does for FSDP
 sampling, with and without a cache, directly or through PEFT's and TRL's ``generate``. What would
 leave the loop early anyway is refused by name: ``synced_gpus=False`` and transformers' continuous
 batching (``generate_batch``, which ignores ``synced_gpus``; TRL's ``use_transformers_continuous_batching``).
+
+With context parallelism the ranks of a context group hold the same prompts and generate them whole,
+but they sample with their own random streams (and may round their logits differently): each returns
+the group's first rank's output, so they go on training on one batch, as context parallelism needs.
 """
 
 from __future__ import annotations
 
 import types
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..runtime.errors import ExpertParallelError
@@ -36,6 +42,29 @@ def _generate(self: nn.Module, *args, **kwargs):
     return type(self).generate(self, *args, **kwargs)
 
 
+def _first_ranks_output(out, group):
+    """``out`` as the first rank of ``group`` produced it (its length may differ from this rank's)."""
+    if isinstance(out, torch.Tensor):
+        shape = torch.tensor(out.shape, dtype=torch.int64, device=out.device)
+        dist.broadcast(shape, group=group, group_src=0)  # one small read per generate call, not per step
+        first = out if dist.get_rank(group) == 0 else out.new_empty(torch.Size(shape.tolist()))
+        dist.broadcast(first, group=group, group_src=0)
+        return first
+    held = [out]  # a GenerateOutput (scores, logits...): its tuples' lengths differ too
+    dist.broadcast_object_list(held, group=group, group_src=0)
+    return held[0]
+
+
+class _GenerateInContextGroup:
+    """``_generate``, then the context group's first rank's output (bound to the model as its ``generate``)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, model: nn.Module, *args, **kwargs):
+        return _first_ranks_output(_generate(model, *args, **kwargs), self.group)
+
+
 def _generate_batch(self: nn.Module, *args, **kwargs):
     raise ExpertParallelError(
         "generate_batch (transformers' continuous batching; TRL's use_transformers_continuous_batching) on an "
@@ -44,11 +73,13 @@ def _generate_batch(self: nn.Module, *args, **kwargs):
         "or a vLLM / SGLang engine")
 
 
-def install_lockstep_generation(model: nn.Module, spans_ranks: bool) -> None:
+def install_lockstep_generation(model: nn.Module, spans_ranks: bool, context_group=None) -> None:
     """Make ``model.generate`` lockstep by default (and refuse continuous batching) when its expert or
-    tensor group ``spans_ranks``; bound methods, so a ``copy.deepcopy`` of the model binds its own."""
+    tensor group ``spans_ranks``, returning the first rank's output over a ``context_group``; bound
+    methods, so a ``copy.deepcopy`` of the model binds its own."""
     if not spans_ranks or not hasattr(model, "generate"):
         return
-    model.generate = types.MethodType(_generate, model)
+    generate = _generate if context_group is None else _GenerateInContextGroup(context_group)
+    model.generate = types.MethodType(generate, model)
     if hasattr(model, "generate_batch"):
         model.generate_batch = types.MethodType(_generate_batch, model)

@@ -23,7 +23,9 @@ its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` ch
   accelerate's PEFT recipe passes to ``save_pretrained(state_dict=...)``; every rank calls it), and
   ``save_model`` is refused (a full checkpoint would hold PEFT's names): save the adapter.
 
-DeepSpeed, FSDP1 and tensor or context parallelism in the ``parallelism_config`` are refused.
+With the plan's ``cp_size`` the data loaders it prepares give each context group one batch
+(:mod:`.batches`). DeepSpeed, FSDP1 and accelerate's own tensor or context parallelism in the
+``parallelism_config`` are refused, naming the plan field to use instead.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..loading.record import info_of, record_of, rewritten_model
 from ..loading.save import full_state_dict, save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import trains_rank_local_only
+from .batches import share_batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
 from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
@@ -79,12 +82,18 @@ def refuse_unsupported(accelerator, what: str) -> None:
             "fsdp_config) to train the expert-parallel model with FSDP2"
         )
     config = getattr(accelerator, "parallelism_config", None)
-    for field in ("tp_size", "cp_size", "sp_size"):
+    plan_fields = {  # accelerate's field -> the plan's, and what the plan's does instead
+        "cp_size": ("cp_size", "context", "Ulysses context parallelism with the EP group over the context ranks"),
+        "sp_size": ("cp_size", "context", "Ulysses context parallelism with the EP group over the context ranks"),
+        "tp_size": ("tp_size", "tensor", "tensor parallelism with the EP group extended over the TP ranks"),
+    }
+    for field, (plan_field, kind, ours) in plan_fields.items():
         size = getattr(config, field, 1) or 1
         if size > 1:
             raise ExpertParallelError(
-                f"{what}: ParallelismConfig({field}={size}) splits the model in a way the expert-parallel "
-                f"rewrite does not follow; set {field}=1 (data parallelism and FSDP2 sharding only)"
+                f"{what}: ParallelismConfig({field}={size}) splits the model with accelerate's own {kind} "
+                f"parallelism, which the expert-parallel rewrite does not follow; set {plan_field}: {size} in the "
+                f"hp-rewrite plan instead ({ours}) and leave ParallelismConfig's {field} at 1"
             )
 
 
@@ -265,11 +274,8 @@ def prepare_accelerator(accelerator):
                 "(its DDP / FSDP wrapper and data loader would treat TP ranks as separate batches); train it in a "
                 "loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
             )
-        if any(_is_ep_model(a) and record_of(a).ep.cp_size > 1 for a in args):
-            raise ExpertParallelError(
-                "prepare_accelerator: a context-parallel model (cp_size > 1) is not supported through accelerate yet "
-                "(its data loader would give the ranks of a context group different batches); train it in a loop "
-                "with DistributedDataParallel, hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use cp_size: 1")
+        for model in (a for a in args if _is_ep_model(a)):  # one batch per context group
+            share_batches(accelerator, record_of(model).ep.cp_size, "prepare_accelerator")
         if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             models = [a for a in args if _is_ep_model(a)]

@@ -20,7 +20,8 @@ resuming reads the adapter back through PEFT's ``load_adapter``. When the expert
 only trainable parameters, DDP (which would have nothing to manage) is left out and the engine guard
 reduces their gradients at each synchronising step.
 
-With ``fsdp_config`` version 2 the Trainer is prepared for FSDP2 instead (:mod:`.trainer_fsdp`).
+With ``fsdp_config`` version 2 the Trainer is prepared for FSDP2 instead (:mod:`.trainer_fsdp`). With the
+plan's ``cp_size`` its data loaders give each context group one batch (:mod:`.batches`).
 DeepSpeed and FSDP1 are refused: they would shard the rank-local experts as if they were one tensor.
 """
 
@@ -39,6 +40,7 @@ from ..loading.save import save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
+from .batches import share_batches
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
 from .rewritten import peft_model_of
 from .rl import install_rollout_replay, install_weight_sync
@@ -147,14 +149,14 @@ def prepare_trainer(trainer):
             "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
             "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
         )
-    if record_of(model).ep.cp_size > 1:
-        raise ExpertParallelError(
-            f"prepare_trainer: a context-parallel model (cp_size {record_of(model).ep.cp_size}) is not supported "
-            "through Trainer yet (its sampler would give the ranks of a context group different batches); train it "
-            "in a loop with DistributedDataParallel, hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use "
-            "cp_size: 1")
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
+    if record_of(model).ep.cp_size > 1 and hasattr(trainer, "reward_funcs"):
+        raise ExpertParallelError(
+            f"prepare_trainer: {type(trainer).__name__} (an online RL trainer) with the plan's cp_size "
+            f"{record_of(model).ep.cp_size} is not supported yet: its step does not yet match the unmodified model's "
+            "(Trainer and TRL's SFTTrainer do); use cp_size: 1 for RL, or tp_size with sequence_parallel in a loop")
+    share_batches(trainer.accelerator, record_of(model).ep.cp_size, "prepare_trainer")  # one per context group
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...

@@ -1,0 +1,42 @@
+"""One batch per context group through the engines' data loaders.
+
+With ``cp_size > 1`` the ranks of a context group (consecutive ranks) must hold the same batch: each
+splits its sequences and the model gathers them back. accelerate shards a data loader over the ranks
+it is told are data-parallel, and when the device mesh it shards by names a ``cp`` dimension it gives
+the ranks along it the same batch (its own context parallelism's rule: ``rank // cp_size`` is the
+data-parallel index). :func:`share_batches` gives one Accelerator's data loaders such a mesh,
+``("dp_replicate", "cp")`` over consecutive ranks, without turning on accelerate's own context
+parallelism (torch's ring attention), which would split the sequence a second time.
+
+Everything else an engine does stays as it is: DDP and FSDP2 average the gradients over the whole
+world, and a context rank's gradients come scaled by ``cp_size`` (:mod:`hp_rewrite.context`), so the
+mean is the data-parallel mean of the groups' sums. A loss normalised by a count gathered over the world
+(Trainer's ``num_items_in_batch``, TRL's) counts each group's tokens ``cp_size`` times and is multiplied
+back by the world size, which cancels the same way.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..runtime.errors import ExpertParallelError
+
+
+def share_batches(accelerator, size: int, what: str) -> None:
+    """Make ``accelerator``'s data loaders (those prepared from now on) give every ``size`` consecutive
+    ranks one batch; refused by name where this accelerate cannot be told."""
+    if size == 1 or getattr(accelerator, "hp_rewrite_batch_share", 1) == size:
+        return
+    world = accelerator.num_processes
+    if world % size:
+        raise ExpertParallelError(f"{what}: {world} processes are not a multiple of the plan's cp_size {size}")
+    if not callable(getattr(accelerator, "_prepare_device_mesh", None)):
+        raise ExpertParallelError(
+            f"{what}: this accelerate version has no device mesh for its data loaders, so the ranks of a context "
+            "group would get different batches; use accelerate >= 1.10, or train in a loop whose sampler takes "
+            "num_replicas=world_size // cp_size, rank=rank // cp_size")
+    # a ParallelismConfig of data-parallel dimensions only (tp / cp / sp are refused before) keeps its mesh
+    # for FSDP2's sharding: the data loaders alone take this one
+    mesh = init_device_mesh(accelerator.device.type, (world // size, size), mesh_dim_names=("dp_replicate", "cp"))
+    accelerator._prepare_device_mesh = lambda: mesh
+    accelerator.hp_rewrite_batch_share = size
