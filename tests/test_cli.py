@@ -203,18 +203,20 @@ def test_apply_tp_plan_nproc4_verify(tmp_path: Path) -> None:
     assert all(t["tp_size"] == 2 and t["sequence_parallel"] and t["split_modules"] > 0 for t in tp)
 
 
-def test_apply_context_plan_nproc4_verify(tiny_dir: Path, tmp_path: Path, capsys) -> None:
-    """plans/cp2-ep4.yaml: each sequence split over context groups of 2, the EP group over all 4 ranks,
-    against the unmodified model (logits and every gradient); a cp_size the heads refuse is a clean error."""
+def test_apply_context_plan_verify(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    """A cp_size 2 plan (plans/cp2-ep4.yaml's, at EP 2 on 2 ranks: tests/test_context.py runs the 4-rank
+    worlds) against the unmodified model, logits and every gradient; a cp_size the heads refuse is a clean
+    error."""
+    plan = tmp_path / "cp2.yaml"
+    plan.write_text((PLANS / "cp2-ep4.yaml").read_text().replace("ep_size: 4", "ep_size: 2"))
     report = tmp_path / "report.json"
-    assert main(["apply", str(PLANS / "cp2-ep4.yaml"), str(tiny_dir), "--out", str(tmp_path / "gen"),
-                 "--nproc", "4", "--verify", "--report", str(report)]) == 0
+    assert main(["apply", str(plan), str(tiny_dir), "--out", str(tmp_path / "gen"),
+                 "--nproc", "2", "--verify", "--report", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["verify"]["passed"] and data["verify"]["grad_max_rel"] <= 1e-5
     assert all(r["context_parallel"]["cp_size"] == 2 and r["context_parallel"]["attention_modules"] > 0
                for r in data["ranks"])
     capsys.readouterr()
-    plan = tmp_path / "cp3.yaml"
     plan.write_text("version: 1\nep_size: 1\ncp_size: 3\n")
     out = tmp_path / "gen3"
     assert main(["apply", str(plan), str(tiny_dir), "--out", str(out), "--nproc", "3"]) == 2
