@@ -152,6 +152,9 @@ def refusal(case: dict, out_dir: str) -> str:
         model = rewrite_model(ref, parse_plan(_plan(case)), artifact_dir=Path(out_dir))
         rank = dist.get_rank()
         ids = torch.full((1, case.get("seq", 12)), rank if case.get("engine") == "batch_per_rank" else 0)
+        if case.get("engine") == "rows_swapped":  # one batch, its rows in another order on odd ranks
+            ids = torch.arange(2 * case.get("seq", 12)).reshape(2, -1).flip(0) if rank % 2 else \
+                torch.arange(2 * case.get("seq", 12)).reshape(2, -1)
         model(input_ids=ids)
     except UserError as e:
         return str(e)

@@ -121,24 +121,43 @@ def case_context_sft(model_dir: str, out_dir: str) -> dict:
 
 
 def case_context_grpo(model_dir: str, out_dir: str) -> dict:
-    """TRL's GRPOTrainer on a context-parallel model: refused by name until its step is shown exact (#60)."""
+    """TRL's GRPOTrainer (GRPOConfig's defaults: checkpointing, sampling at temperature 1, the generated batch
+    shuffled; fp32) for one step. Each rank samples with its own random stream; a context group trains on
+    its first rank's completions in its first rank's order, so the reference's generate does the same (its
+    ranks' own samples would make it a run of 4 different batches)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from hp_rewrite.runtime.errors import ExpertParallelError
+    from hp_rewrite.sync.generation import install_lockstep_generation
 
     _reset_accelerate()
-    model, _ = _models(str(Path(out_dir) / "art-grpo"))
-    args = GRPOConfig(output_dir=str(Path(out_dir) / "grpo"), per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=6, max_steps=1, bf16=False, use_cpu=True, report_to=[], save_strategy="no")
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["t3 t4"] * 8}),
-                          processing_class=tiny_tokenizer(model.config.vocab_size))
-    try:
-        hp_rewrite.prepare_trainer(trainer)
-    except ExpertParallelError as e:
-        return {"message": str(e)}
-    return {"message": ""}
+    model, ref = _models(str(Path(out_dir) / "art-grpo"))
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    install_lockstep_generation(ref, True, model.hp_rewrite.ep.cp_group)
+    vocab = ref.config.vocab_size
+    gen = torch.Generator().manual_seed(21)
+    prompts = [" ".join(f"t{i}" for i in torch.randint(3, vocab, (4,), generator=gen).tolist()) for _ in range(8)]
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    result = {}
+    for name, m in (("ep", model), ("ref", ref)):
+        firsts, lengths = _first_batches(m), _layer_lengths(m)
+        args = GRPOConfig(output_dir=str(Path(out_dir) / f"grpo-{name}"), per_device_train_batch_size=2,
+                          num_generations=2, max_completion_length=6, max_steps=1, learning_rate=1e-3,
+                          adam_epsilon=1e-4, bf16=False, use_cpu=True, report_to=[], logging_steps=1,
+                          save_strategy="no", seed=0, disable_tqdm=True)
+        trainer = GRPOTrainer(model=m, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                              processing_class=tiny_tokenizer(vocab))
+        if name == "ep":
+            hp_rewrite.prepare_trainer(trainer)
+        else:
+            share_batches(trainer.accelerator, CP, "reference")
+        trainer.train()
+        result[name] = {"logs": _logs(trainer), "firsts": firsts, "lengths": lengths[-1:],
+                        "checkpointing": trainer.args.gradient_checkpointing}
+    return {**result, **_worst_after(model, ref, before)}
 
 
 def case_context_accelerate_refusal(model_dir: str, out_dir: str) -> dict:

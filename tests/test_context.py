@@ -49,6 +49,7 @@ GENERATE = [dict(id="generate-qwen3_moe-ep2-cp2", model_type="qwen3_moe", ep=2, 
 REFUSALS = [
     dict(id="heads", model_type="qwen3_moe", ep=4, cp=4, heads=2, kv_heads=2),
     dict(id="batch-per-rank", model_type="qwen3_moe", ep=2, cp=2, engine="batch_per_rank"),
+    dict(id="rows-swapped", model_type="qwen3_moe", ep=2, cp=2, engine="rows_swapped"),
     dict(id="no-layers", model_type="dbrx", ep=2, cp=2),
     dict(id="linear-attention", model_type="minimax", ep=2, cp=2),
 ]
@@ -113,6 +114,7 @@ def test_generate_runs_the_whole_sequence_in_lockstep(world):
 def test_refusal_names_the_fix(world, case):
     messages = [result[case["id"]] for result in world]
     assert all(messages), f"{case['id']} ran instead of being refused: {messages}"
-    expected = {"heads": "divide", "batch-per-rank": "same batch", "no-layers": "cp_size: 1",
+    expected = {"heads": "divide", "batch-per-rank": "same batch", "rows-swapped": "same batch",
+                "no-layers": "cp_size: 1",
                 "linear-attention": "cp_size: 1"}[case["id"]]
     assert all(expected in m for m in messages), messages

@@ -14,7 +14,8 @@ batching (``generate_batch``, which ignores ``synced_gpus``; TRL's ``use_transfo
 
 With context parallelism the ranks of a context group hold the same prompts and generate them whole,
 but they sample with their own random streams (and may round their logits differently): each returns
-the group's first rank's output, so they go on training on one batch, as context parallelism needs.
+the group's first rank's output and takes its random state, so they go on training on one batch in one
+order (TRL shuffles the generated batch with torch's generator), as context parallelism needs.
 """
 
 from __future__ import annotations
@@ -55,14 +56,30 @@ def _first_ranks_output(out, group):
     return held[0]
 
 
+def _first_ranks_random_state(group, device: torch.device) -> None:
+    """Set this rank's torch random streams (the host's and ``device``'s) to the first rank of ``group``'s,
+    so what an engine draws after generating (TRL shuffles the generated batch) is drawn alike."""
+    streams = [(torch.get_rng_state, torch.set_rng_state)]
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is not None and hasattr(backend, "get_rng_state"):
+        streams.append((backend.get_rng_state, backend.set_rng_state))
+    for get, put in streams:
+        state = get().to(device)  # the collective's device (NCCL / HCCL take device tensors)
+        dist.broadcast(state, group=group, group_src=0)
+        put(state.cpu())
+
+
 class _GenerateInContextGroup:
-    """``_generate``, then the context group's first rank's output (bound to the model as its ``generate``)."""
+    """``_generate``, then the context group's first rank's output and random state (bound to the model as
+    its ``generate``)."""
 
     def __init__(self, group) -> None:
         self.group = group
 
     def __call__(self, model: nn.Module, *args, **kwargs):
-        return _first_ranks_output(_generate(model, *args, **kwargs), self.group)
+        out = _first_ranks_output(_generate(model, *args, **kwargs), self.group)
+        _first_ranks_random_state(self.group, next(model.parameters()).device)
+        return out
 
 
 def _generate_batch(self: nn.Module, *args, **kwargs):

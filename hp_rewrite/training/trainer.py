@@ -151,11 +151,12 @@ def prepare_trainer(trainer):
         )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
-    if record_of(model).ep.cp_size > 1 and hasattr(trainer, "reward_funcs"):
+    if record_of(model).ep.cp_size > 1 and getattr(trainer.args, "use_vllm", False):
         raise ExpertParallelError(
-            f"prepare_trainer: {type(trainer).__name__} (an online RL trainer) with the plan's cp_size "
-            f"{record_of(model).ep.cp_size} is not supported yet: its step does not yet match the unmodified model's "
-            "(Trainer and TRL's SFTTrainer do); use cp_size: 1 for RL, or tp_size with sequence_parallel in a loop")
+            "prepare_trainer: use_vllm with the plan's cp_size > 1 is not supported yet: vLLM samples each rank's "
+            "completions on its own, so the ranks of a context group would train on different batches; generate "
+            "with transformers (use_vllm=False: a context group then trains on its first rank's samples) or use "
+            "cp_size: 1")
     share_batches(trainer.accelerator, record_of(model).ep.cp_size, "prepare_trainer")  # one per context group
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
