@@ -67,15 +67,28 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     model = rewrite_model(copy.deepcopy(ref), parse_plan(_plan(case)), artifact_dir=Path(out_dir))
     if case.get("generate"):
         return _generate(rank, case, ref, model)
+    if case.get("lora"):  # LoRA on attention (drawn non-zero, so every factor gets a gradient), the base frozen
+        ref, model = _with_lora(ref), _with_lora(model)
     cp = case["cp"]
     dp = world // cp
     ids, mask = _batch(case, ref.config.get_text_config().vocab_size, dp)
     mine = slice(rank // cp * PER_BATCH, (rank // cp + 1) * PER_BATCH)
     labels = ids.masked_fill(mask == 0, -100)
+    positions = None
+    if case.get("packed"):  # padding-free: two sequences a row (5 + 7 positions), as DataCollatorWithFlattening
+        positions = torch.cat([torch.arange(5), torch.arange(ids.shape[1] - 5)]).expand_as(ids)
+        labels[:, 5] = -100  # its collator's boundary: no label across two sequences
+
+    def inputs(rows: slice) -> dict:
+        if positions is not None:  # no attention mask: the packed mask from position_ids, where transformers
+            # builds one (with use_cache off, as Trainer's checkpointing turns it; with its own cache it does not)
+            return {"input_ids": ids[rows], "position_ids": positions[rows], "labels": labels[rows],
+                    **({"use_cache": False} if case["packed"] == "no_cache" else {})}
+        return {"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]}
+
     # the unmodified model on each data-parallel batch (the load-balancing loss is per micro-batch, as
     # transformers'), gradients averaged over the batches: what DDP makes of data parallelism alone
-    ref_outs = [ref(input_ids=ids[b * PER_BATCH:(b + 1) * PER_BATCH], attention_mask=mask[b * PER_BATCH:(b + 1) * PER_BATCH],
-                    labels=labels[b * PER_BATCH:(b + 1) * PER_BATCH]) for b in range(dp)]
+    ref_outs = [ref(**inputs(slice(b * PER_BATCH, (b + 1) * PER_BATCH))) for b in range(dp)]
     (sum(o.loss for o in ref_outs) / dp).backward()
     ref_out = ref_outs[rank // cp]
     seen = []  # the sequence length the decoder layers and the experts run on: this rank's share
@@ -87,7 +100,8 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
         import hp_rewrite
 
         hp_rewrite.fully_shard(model)
-    out = model(input_ids=ids[mine], attention_mask=mask[mine], labels=labels[mine])
+    forward = torch.compile(model, backend="aot_eager") if case.get("compile") else model
+    out = forward(**inputs(mine))
     out.loss.backward()
     inner = model.module if case.get("engine") == "ddp" else model
     if case.get("engine") not in ("ddp", "fsdp"):
@@ -99,6 +113,14 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
     return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name,
             "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None}
+
+
+def _with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(11)  # the same factors for the reference and the context-parallel model
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "o_proj"],
+                                            init_lora_weights=False))
 
 
 def _generate(rank: int, case: dict, ref, model) -> dict:

@@ -60,18 +60,25 @@ def _worst_after(model, ref, before: dict) -> dict:
     value (each rank's experts against their rows), and how far the reference moved on the same scale
     (so the comparison is not of two models that did not train)."""
     weights = expert_weights(model)
-    ref_params = dict(ref.named_parameters())
+    ref_params = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in ref.named_parameters()}
     worst, worst_name, moved = 0.0, "", 0.0
     for name, p in model.named_parameters():
-        target, start = ref_params[name].detach(), before[name]
-        if name in weights:
+        name = name.replace("._checkpoint_wrapped_module", "")  # FSDP2's activation checkpointing wrapper
+        value, target, start = _full(p), _full(ref_params[name]), before[name]
+        if name in weights and target.shape != value.shape:  # each rank's experts: their rows
             target, start = local_rows(*weights[name], target), local_rows(*weights[name], start)
         scale = target.abs().max().clamp_min(1e-12)
-        err = ((p.detach() - target).abs().max() / scale).item()
+        err = ((value - target).abs().max() / scale).item()
         moved = max(moved, ((target - start).abs().max() / scale).item())
         if err > worst:
             worst, worst_name = err, name
     return {"worst": worst, "worst_name": worst_name, "moved": moved}
+
+
+def _full(p) -> torch.Tensor:
+    """A parameter's value whole (an FSDP2 shard gathered: collective), detached."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def _logs(trainer) -> list[dict]:
@@ -89,10 +96,15 @@ def case_context_sft(model_dir: str, out_dir: str) -> dict:
     """TRL's SFTTrainer (activation checkpointing on, its default; fp32 for an exact comparison; SGD so the
     update is the clipped gradient) for two steps of 2 accumulated micro-batches of sequences of different
     lengths (padding, ``num_items_in_batch``), on the context-parallel model, prepared, and the reference."""
+    _reset_accelerate()
+    return context_sft(out_dir)
+
+
+def context_sft(out_dir: str, trainer_class=None, **config) -> dict:
+    """:func:`case_context_sft` with SFTTrainer wrapped by ``trainer_class`` and more SFTConfig ``config``
+    (FSDP2: tests/fsdp_engine_script.py)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
-
-    _reset_accelerate()
 
     model, ref = _models(str(Path(out_dir) / "art-sft"))
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -108,15 +120,22 @@ def case_context_sft(model_dir: str, out_dir: str) -> dict:
         args = SFTConfig(output_dir=str(Path(out_dir) / f"sft-{name}"), per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, max_steps=2, bf16=False, use_cpu=True, report_to=[],
                          logging_steps=1, save_strategy="no", optim="sgd", learning_rate=0.05,
-                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True)
-        trainer = SFTTrainer(model=m, args=args, train_dataset=data, processing_class=tiny_tokenizer(vocab))
+                         train_sampling_strategy="sequential", seed=0, dataloader_drop_last=True, disable_tqdm=True,
+                         **config)
+        trainer = (trainer_class or SFTTrainer)(model=m, args=args, train_dataset=data,
+                                                processing_class=tiny_tokenizer(vocab))
         if name == "ep":
             hp_rewrite.prepare_trainer(trainer)
         else:  # the reference: each context group's ranks fed one batch, as the prepared trainer feeds them
             share_batches(trainer.accelerator, CP, "reference")
         trainer.train()
         result[name] = {"logs": _logs(trainer), "firsts": firsts, "lengths": lengths[:1],
-                        "checkpointing": trainer.args.gradient_checkpointing}
+                        "checkpointing": trainer.args.gradient_checkpointing,
+                        "fsdp2": type(trainer.model).__name__.startswith("FSDP")}
+        if name == "ep":
+            model = trainer.model
+        else:
+            ref = trainer.model
     return {**result, **_worst_after(model, ref, before)}
 
 

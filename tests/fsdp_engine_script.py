@@ -415,6 +415,16 @@ def case_trainer_lora_fp8_kept(model_dir, out):
     return case_trainer_lora_experts(model_dir, out, kept_fp8=True)
 
 
+def case_context_sft_fsdp(model_dir, out):
+    """tests/context_engines.py's SFTTrainer case (cp_size 2 x 2 data-parallel ranks) with fsdp_config
+    version 2: FSDP2 over the data x context ranks, against the unmodified model under the same."""
+    from trl import SFTTrainer
+
+    from tests.context_engines import context_sft
+
+    return context_sft(out, _forced_trainer_class(SFTTrainer), fsdp=True, fsdp_config=_fsdp_config())
+
+
 def case_ddp_trainer_lora(model_dir, out):
     """The DDP Trainer case of tests/engine_script.py (LoRA on attention and the experts: DDP around the
     model, the guard reducing the expert adapters), here in the 4-rank world: EP 2 x 2 data-parallel

@@ -37,11 +37,19 @@ CASES += [
     # padding (its loss and load-balancing loss masked), eager and sdpa
     dict(id="qwen3_moe-ep2-cp2-padding", model_type="qwen3_moe", ep=2, cp=2, padding=True),
     dict(id="mixtral-ep2-cp2-padding-eager", model_type="mixtral", ep=2, cp=2, padding=True, attn="eager"),
+    # padding-free packed rows (position_ids restarting mid-row, no attention mask), sdpa and eager; with
+    # use_cache off transformers separates the packed sequences, with its default cache it does not
+    dict(id="qwen3_moe-ep2-cp2-packed", model_type="qwen3_moe", ep=2, cp=2, packed="no_cache"),
+    dict(id="deepseek_v3-ep4-cp2-packed-eager", model_type="deepseek_v3", ep=4, cp=2, packed="no_cache",
+         attn="eager"),
+    dict(id="qwen3_moe-ep2-cp2-packed-cache", model_type="qwen3_moe", ep=2, cp=2, packed="cache"),
     # the engines' paths: DDP, activation checkpointing (its recomputation splits the same way), balancing
     dict(id="qwen3_moe-ep2-cp2-ddp", model_type="qwen3_moe", ep=2, cp=2, engine="ddp"),
     dict(id="qwen3_moe-ep4-cp2-fsdp2", model_type="qwen3_moe", ep=4, cp=2, engine="fsdp"),
     dict(id="deepseek_v3-ep4-cp2-checkpointing", model_type="deepseek_v3", ep=4, cp=2, checkpointing=True),
     dict(id="qwen3_moe-ep4-cp2-balanced", model_type="qwen3_moe", ep=4, cp=2, balance=True),
+    # LoRA on attention (PEFT, base frozen)
+    dict(id="qwen3_moe-ep2-cp2-lora", model_type="qwen3_moe", ep=2, cp=2, lora=True),
     dict(id="bf16-qwen3_moe-ep2-cp2", model_type="qwen3_moe", ep=2, cp=2, bf16=True),
     dict(id="bf16-deepseek_v3-ep4-cp2", model_type="deepseek_v3", ep=4, cp=2, bf16=True),
 ]
@@ -56,6 +64,9 @@ REFUSALS = [
 TWO = [dict(id=f"{m}-ep2-cp2", model_type=m, ep=2, cp=2, sliding=4, attn=a)
        for m, a in (("qwen3_moe", "sdpa"), ("deepseek_v3", "eager"), ("gpt_oss", "eager"))]
 TWO.append(dict(id="deepseek_v3-ep1-cp2", model_type="deepseek_v3", ep=1, cp=2))
+# torch.compile over the whole model (aot_eager: the graph inductor would get, breaks included, without
+# its compile time), in the world of 2 where each rank has a core to trace on
+TWO.append(dict(id="qwen3_moe-ep2-cp2-compile", model_type="qwen3_moe", ep=2, cp=2, compile=True))
 
 
 @pytest.fixture(scope="module")

@@ -185,6 +185,10 @@ def test_etp_tp_cp() -> None:
     assert base.tp_forward_bytes == base.tp_backward_bytes == 0
     cp = layer_cost(lay, Parallel(cp=2), Workload(4, 2))
     assert cp.forward.total == base.forward.total / 2 and cp.exchange.rows_sent == base.exchange.rows_sent / 2
+    # Ulysses: query, key, value and output, each this rank's [tokens / cp, hidden], half of it to the other rank
+    assert cp.cp_bytes == 4 * (4 * 2 / 2) * lay.hidden * 2 / 2 and base.cp_bytes == 0
+    cp4 = layer_cost(lay, Parallel(cp=4), Workload(4, 2))
+    assert cp4.cp_bytes == 4 * (4 * 2 / 4) * lay.hidden * 2 * 3 / 4
     with pytest.raises(ValueError, match="ep=0"):
         Parallel(ep=0)
 
@@ -499,6 +503,27 @@ def test_suggest_ranks_tp_degrees_with_their_collectives() -> None:
     tp_s = sum(tp_collective_time(lay.tp_forward_bytes, c.tp, hw) + tp_collective_time(lay.tp_backward_bytes, c.tp, hw)
                for lay in c.cost.layers)
     assert 0 < tp_s <= c.time.comm  # its collectives are in the step
+
+
+def test_suggest_ranks_context_degrees_with_their_exchanges() -> None:
+    """A context group shares one micro-batch: each rank holds 1/cp of its tokens, so its activations
+    shrink and a layout that does not fit at cp 1 fits at cp 2; tokens per second count a group's batch
+    once, and Ulysses' all-to-alls are on the critical path. tp and cp do not compose yet."""
+    from hp_rewrite.cost.timing import tp_collective_time
+
+    def mem(ep, cp):
+        return estimate(SYN, Parallel(ep=ep, cp=cp), WORK).memory
+
+    hw = _hw((mem(8, 1) + mem(8, 2)) / 2, alpha_s=1e-6, beta_Bps=1e9)
+    cands = suggest(SYN, 8, WORK, hw, tp_sizes=(1, 2), cp_sizes=(1, 2))
+    assert {(c.ep, c.tp, c.cp) for c in cands} == ({(e, t, 1) for e in (1, 2, 4, 8) for t in (1, 2)}
+                                                   | {(e, 1, 2) for e in (1, 2, 4, 8)})
+    assert any(c.feasible and c.cp == 2 and c.ep == 8 for c in cands)
+    assert not any(c.feasible for c in cands if (c.ep, c.tp, c.cp) == (8, 1, 1))
+    c = next(c for c in cands if c.cp == 2 and c.feasible)
+    assert c.tokens_per_s == pytest.approx(8 // 2 * WORK.seq_len * WORK.micro_batch / c.step_s)
+    ulysses = sum(2 * tp_collective_time(lay.cp_bytes, 2, hw) for lay in c.cost.layers)
+    assert 0 < ulysses <= c.time.comm
 
 
 def test_data_parallel_states_and_traffic_by_hand() -> None:

@@ -29,6 +29,8 @@ def test_device_check_on_cpu(tmp_path: Path) -> None:
     ep2 = report["ep2_one_device"]
     assert set(ep2) == {"rank0", "rank1"}
     for cases in ep2.values():
-        assert set(cases) == {"qwen3_moe", "deepseek_v3", "decode-1-token", "qwen3_moe-balanced"}
-        assert all(c["passed"] and c["bitwise_repeatable"] for c in cases.values()), cases
+        assert set(cases) == {"qwen3_moe", "deepseek_v3", "decode-1-token", "qwen3_moe-balanced",
+                              "qwen3_moe-cp2-ulysses"}
+        assert all(c["passed"] for c in cases.values()), cases
+        assert all(c["bitwise_repeatable"] for n, c in cases.items() if n != "qwen3_moe-cp2-ulysses"), cases
 

@@ -15,6 +15,7 @@
 (c) EP=2 as two processes on the one device (gloo over device tensors; :mod:`tools.device_ep`): bf16
     parity and bitwise repeatability of qwen3_moe and deepseek_v3, host syncs per MoE layer
     (``set_sync_debug_mode``), single-token decode (empty expert groups, a rank receiving nothing),
+    context parallelism (``cp_size: 2``, Ulysses: parity, host syncs per attention forward),
     qwen3_moe with ``runtime.balance`` forced on (lent expert weights and their gradients returned), and
     on an accelerator one Qwen3-30B-A3B-shaped layer's local experts at EP=2 against transformers'
     grouped_mm.
@@ -263,7 +264,7 @@ def _run(a: argparse.Namespace, device: str) -> int:
 
     ep2 = ep2_on_one_device(device, torch.bfloat16, size_name, max(3, iters // 2))
     table = Table(title=f"(c) EP=2 as two processes on one {name}, bf16")
-    for col in ("rank", "case", "worst rel", "passed", "bitwise repeatable", "syncs / MoE layer fwd", "bwd syncs"):
+    for col in ("rank", "case", "worst rel", "passed", "bitwise repeatable", "syncs / MoE layer (cp: attention) fwd", "bwd syncs"):
         table.add_column(col)
     for rank, cases in ep2.items():
         for case, c in cases.items():

@@ -9,6 +9,8 @@ runs every CUDA code path of the exchange, the dispatch and the local experts. E
   backward (``torch.cuda.set_sync_debug_mode("warn")``: every synchronising call warns; on CPU nothing
   synchronises and the counts are None);
 * single-token decode (one token per rank: local experts without rows, a rank receiving nothing);
+* context parallelism (``cp_size: 2``, Ulysses) with the EP group over both ranks: one sequence split in
+  two, against the unmodified model on it, and the host synchronisations of each attention's forward;
 * with ``speed``, one Qwen3-30B-A3B-shaped layer's local experts at EP=2 (64 of 128 experts per rank)
   timed against transformers' grouped_mm over all 128 experts on the same tokens.
 """
@@ -109,6 +111,47 @@ def _model_case(model_type: str, device: torch.device, dtype: torch.dtype, token
             "forward_syncs_per_moe_layer": per_layer, "backward_syncs": backward_syncs}
 
 
+def _context_case(device: torch.device, dtype: torch.dtype, tokens: int = 32) -> dict:
+    """qwen3_moe at EP=2 with ``cp_size: 2`` (Ulysses): both ranks hold one sequence, each runs its half
+    through the decoder layers (attention on half the heads of the whole sequence), the logits gathered
+    whole. Against the unmodified model on that sequence: logits and every gradient after the gradient
+    contract; the host synchronisations of the attention modules' forwards and of the whole backward."""
+    import torch.distributed as dist
+
+    from hp_rewrite.loading.patch import rewrite_model
+    from hp_rewrite.loading.record import record_of
+    from hp_rewrite.plan import parse_plan
+    from hp_rewrite.tiny import build_tiny_model, tiny_config
+    from hp_rewrite.verify import gradient_errors
+
+    world = dist.get_world_size()
+    ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).to(device=device, dtype=dtype)
+    with tempfile.TemporaryDirectory() as out:
+        model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\ncp_size: {world}\n"),
+                              artifact_dir=Path(out))
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, ref.config.vocab_size, (1, tokens), generator=gen).to(device)
+    upstream = torch.randn((1, tokens, ref.config.vocab_size), generator=gen).to(device=device, dtype=dtype)
+    ref_logits = ref(input_ids=ids).logits
+    (ref_logits * upstream).sum().backward()
+    syncs, marks = _Syncs(device), []
+    for m in record_of(model).context.attention:
+        m.register_forward_pre_hook(lambda *_: marks.append(syncs.count()))
+        m.register_forward_hook(lambda *_: marks.append(syncs.count()))
+    with syncs:
+        logits = model(input_ids=ids).logits
+        before_backward = syncs.count()
+        (logits * upstream).sum().backward()
+        backward = None if before_backward is None else syncs.count() - before_backward
+    _sync(device)
+    errors = {n: rel for n, (_, rel) in gradient_errors(model, ref, record_of(model).ep, world).items()}
+    errors["logits"] = ((logits - ref_logits).float().abs().max() / ref_logits.float().abs().max()).item()
+    worst = max(errors, key=errors.get)
+    per_attention = None if not marks or marks[0] is None else [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)]
+    return {"worst": worst, "worst_rel": errors[worst], "tolerance": BF16_TOL, "passed": errors[worst] <= BF16_TOL,
+            "bitwise_repeatable": None, "forward_syncs_per_moe_layer": per_attention, "backward_syncs": backward}
+
+
 def _decode_case(device: torch.device, dtype: torch.dtype) -> dict:
     """One token per rank through a tiny EP=2 qwen3_moe: some local experts and maybe a whole rank get no row."""
     result = _model_case("qwen3_moe", device, dtype, tokens=1)
@@ -175,6 +218,8 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     # runtime.balance forced on (any imbalance, any piece): lent weights through the device's GEMMs, one host read
     out["qwen3_moe-balanced"] = _model_case("qwen3_moe", device, dtype, tokens=16, runtime=(
         "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n"))
+    # context parallelism (cp_size 2, Ulysses) over the same two ranks; its sync column counts per attention
+    out["qwen3_moe-cp2-ulysses"] = _context_case(device, dtype)
     if payload.get("speed"):
         out["layer_speed"] = _layer_speed(device, dtype, payload["size"], payload["iters"])
     return out

@@ -49,7 +49,11 @@ def register(sub) -> None:
                     "tokens to complete experts (default: the plan's tp_size)")
     co.add_argument("--tp-sizes", type=_sizes, default=None,
                     help="with --suggest: the TP degrees to rank too, e.g. 1,2,4 (default: --tp only)")
-    co.add_argument("--cp", type=int, default=1, help="context parallel (divides the tokens of a rank)")
+    co.add_argument("--cp", type=int, default=None,
+                    help="context parallel: a context group shares one micro-batch, each rank holds 1/cp of its "
+                    "tokens and attention exchanges heads for positions (default: the plan's cp_size)")
+    co.add_argument("--cp-sizes", type=_sizes, default=None,
+                    help="with --suggest: the context degrees to rank too, e.g. 1,2,4 (default: --cp only)")
     co.add_argument("--world-size", type=int, default=None, help="ranks in all (EP x DP), for --suggest")
     co.add_argument(
         "--suggest",

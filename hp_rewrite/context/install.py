@@ -4,8 +4,10 @@ The decoder (``model.get_decoder()``, the module holding ``layers``) is left as 
 
 * before it runs, a pre-hook hands every decoder layer and attention call this forward's
   :class:`~.shard.Shares` through the keyword arguments transformers already passes down (so activation
-  checkpointing's recomputation sees the same), and turns off the cache: a cache of shares is nothing a
-  later call could continue from. Masks and position ids are built by the decoder for the whole sequence.
+  checkpointing's recomputation sees the same). Masks and position ids are built by the decoder for the
+  whole sequence, as it builds them: with the cache it makes for itself when ``use_cache`` is on (which
+  decides, for one, whether packed ``position_ids`` separate sequences); that cache holds this rank's
+  shares, nothing a later call could continue from, so the output carries none.
 * the first layer takes this rank's share of the embeddings; every layer takes its share of the position
   embeddings;
 * after it, the last hidden state, any recorded hidden states and router logits are gathered whole.
@@ -115,7 +117,7 @@ def install_context(model: nn.Module, group, rank: int, size: int) -> ContextSpl
         state.check_same_batch(source)
         if source.shape[1] < state.size:  # a rank would hold no position, which models cannot view: unsplit
             return None
-        return args, {**kwargs, "use_cache": False, SHARES_KW: state.shares(source.shape[1])}
+        return args, {**kwargs, SHARES_KW: state.shares(source.shape[1])}
 
     def first_layer(module, args, kwargs):
         shares = kwargs.get(SHARES_KW)
@@ -136,6 +138,8 @@ def install_context(model: nn.Module, group, rank: int, size: int) -> ContextSpl
         shares = kwargs.get(SHARES_KW)
         if shares is None:
             return None
+        if getattr(output, "past_key_values", None) is not None:
+            output.past_key_values = None  # a cache the decoder made for itself: this rank's shares only
         batch = output.last_hidden_state.shape[0]
         output.last_hidden_state = gather_sequence(output.last_hidden_state, shares)
         if getattr(output, "hidden_states", None) is not None:

@@ -74,8 +74,9 @@ def colocated_rl_memory(cost, world: int, mode: str, vllm_fraction: float, capac
     lines += [MemoryLine("activations, checkpointed", num_hidden_layers * tokens * hidden * prec.act + recompute,
                          f"each layer's input, one layer recomputed ({cost.workload.micro_batch} x "
                          f"{cost.workload.seq_len} tokens)"),
-              MemoryLine("logits and their gradient", 2 * cost.workload.tokens(par.cp) * vocab * 4,
-                         "fp32, every token (TRL keeps the completion's: a bound)"),
+              MemoryLine("logits and their gradient", 2 * cost.workload.tokens() * vocab * 4,
+                         "fp32, every token (TRL keeps the completion's: a bound); the whole sequence's on every "
+                         "rank of a context group"),
               MemoryLine("vLLM, colocated", vllm_fraction * capacity,
                          f"vllm_gpu_memory_utilization={vllm_fraction:g}: weights, KV cache")]
     return lines

@@ -27,8 +27,9 @@ class Parallel:
     ``tp`` ranks shares one micro-batch, splits the shared expert and the dense parts, and each rank
     routes ``1/tp`` of the group's tokens to complete experts over the TP-extended EP group);
     sequence_parallel: the plan's; etp: expert tensor parallel (the seed's, not implemented by the
-    runtime: it only divides expert FLOPs and weights here); cp: context parallel (divides the tokens
-    of a rank)."""
+    runtime: it only divides expert FLOPs and weights here); cp: the plan's ``cp_size`` (a context group of
+    ``cp`` ranks shares one micro-batch and each holds ``1/cp`` of its tokens; attention exchanges heads for
+    positions, see ``LayerCost.cp_bytes``)."""
 
     ep: int = 1
     etp: int = 1
@@ -227,6 +228,7 @@ class LayerCost:
     shared_overlaps_dispatch: bool
     tp_forward_bytes: float = 0.0  # sent by this rank in the layer's TP collectives, forward
     tp_backward_bytes: float = 0.0  # ... and backward
+    cp_bytes: float = 0.0  # sent off this rank by the decoder layer's Ulysses exchanges (cp > 1), per direction
 
     @property
     def step_flops(self) -> float:
@@ -405,7 +407,18 @@ def layer_cost(
         memory=_memory(lay, par, prec, local, tokens, rows),
         shared_overlaps_dispatch=lay.shared_overlaps_dispatch,
         **_tp_bytes(lay, par, group_tokens * lay.hidden * prec.act),
+        cp_bytes=_cp_bytes(lay, par, group_tokens * lay.hidden * prec.act),
     )
+
+
+def _cp_bytes(lay: MoELayerSpec, par: Parallel, block_bytes: float) -> float:
+    """Bytes this rank sends off in its decoder layer's Ulysses all-to-alls, forward (the backward sends
+    the same again): query, key, value in and the output back, each this rank's ``[tokens / cp, width]``
+    of which ``(cp - 1) / cp`` leaves it. Counted at the model width (GQA's narrower key / value: an upper
+    bound). The decoder's one gather of the last hidden state per forward is left out (once a model)."""
+    if par.cp == 1:
+        return 0.0
+    return 4 * block_bytes * (par.cp - 1) / par.cp
 
 
 def _tp_bytes(lay: MoELayerSpec, par: Parallel, block_bytes: float) -> dict[str, float]:

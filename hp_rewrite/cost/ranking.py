@@ -34,12 +34,15 @@ class Candidate:
     data_parallel: DataParallelCost | None = None  # whole-model states and DP traffic (--non-expert)
     tp: int = 1
     world: int = 1
+    cp: int = 1
 
     @property
     def tokens_per_s(self) -> float:
-        """The world's tokens per second: ``world / tp`` micro-batches (a TP group shares one) per step."""
+        """The world's tokens per second: ``world / (tp x cp)`` micro-batches (a TP or context group shares
+        one) per step."""
         w = self.cost.workload
-        return (self.world // self.tp) * w.seq_len * w.micro_batch / self.step_s if self.step_s else float("inf")
+        batches = self.world // (self.tp * self.cp)
+        return batches * w.seq_len * w.micro_batch / self.step_s if self.step_s else float("inf")
 
     @property
     def dp_exposed_s(self) -> float:
@@ -73,12 +76,13 @@ def suggest(
     reserve_bytes: float = 0.0,
     non_expert: str | None = None,
     tp_sizes: tuple[int, ...] | None = None,
+    cp_sizes: tuple[int, ...] | None = None,
 ) -> list[Candidate]:
-    """Every (EP, TP) layout that fits ``world_size`` and the experts, best first (by the world's
-    tokens per second: a TP group shares one micro-batch).
+    """Every (EP, TP, CP) layout that fits ``world_size`` and the experts, best first (by the world's
+    tokens per second: a TP or context group shares one micro-batch).
 
-    ``tp_sizes``: the TP degrees to try (default: ``base.tp`` only); one of ep and tp must divide the
-    other, as the runtime requires. ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole
+    ``tp_sizes`` / ``cp_sizes``: the TP / context degrees to try (default: ``base.tp`` / ``base.cp`` only);
+    one of ep and tp must divide the other, as the runtime requires; tp and cp do not compose yet. ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole
     model's states and its data-parallel collectives (:mod:`.sharding`); None costs the MoE layers'
     states only, as before.
     """
@@ -87,16 +91,17 @@ def suggest(
     base = base or Parallel()
     capacity = hw.memory_bytes - reserve_bytes
     out = []
-    for tp in tp_sizes or (base.tp,):
-        if world_size % tp:
-            continue
+    layouts = [(tp, cp) for tp in tp_sizes or (base.tp,) for cp in cp_sizes or (base.cp,)
+               if world_size % (tp * cp) == 0 and (tp == 1 or cp == 1)]
+    for tp, cp in layouts:
         for ep in feasible_eps(spec, world_size):
             if max(ep, tp) % min(ep, tp):
                 continue
-            cost = estimate(spec, replace(base, ep=ep, tp=tp), work, prec, knobs, histograms)
+            cost = estimate(spec, replace(base, ep=ep, tp=tp, cp=cp), work, prec, knobs, histograms)
             dp = None if non_expert is None else data_parallel_cost(cost, world_size, non_expert, hw, prec)
             mem = cost.memory if dp is None else sum(c.memory.activations for c in cost.layers) + dp.state_bytes
             fits = mem <= capacity
             why = "" if fits else f"needs {mem / 1e9:.1f} GB/rank > {capacity / 1e9:.1f} GB"
-            out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why, dp, tp, world_size))
-    return sorted(out, key=lambda c: (not c.feasible, -c.tokens_per_s if c.feasible else c.memory_bytes, c.ep, c.tp))
+            out.append(Candidate(ep, cost, step_time(cost, hw), mem, capacity, fits, why, dp, tp, world_size, cp))
+    return sorted(out, key=lambda c: (not c.feasible, -c.tokens_per_s if c.feasible else c.memory_bytes, c.ep, c.tp,
+                                      c.cp))

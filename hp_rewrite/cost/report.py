@@ -143,17 +143,18 @@ def time_line(st: StepTime, hw: Hardware) -> str:
 def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Table:
     table = Table(
         title=f"EP degrees for world size {world_size} on {hw.name} (fwd+bwd of the MoE layers, "
-        "busiest rank, per micro-batch of a TP group; ranked by the world's tokens/s)"
+        "busiest rank, per micro-batch of a TP or context group; ranked by the world's tokens/s)"
     )
     for col in (
         "#",
         "ep",
         "tp",
+        "cp",
         "E/rank",
         "dp",
         "max imb.",
         "compute ms",
-        "a2a+tp ms",
+        "a2a+tp+cp ms",
         "exposed ms",
         "step ms",
         "tokens/s",
@@ -175,6 +176,7 @@ def suggest_table(cands: list[Candidate], world_size: int, hw: Hardware) -> Tabl
             str(i),
             str(c.ep),
             str(c.tp),
+            str(c.cp),
             "/".join(str(x) for x in sorted(local)),
             str(world_size // c.ep),
             f"{c.cost.max_imbalance:.3g}",

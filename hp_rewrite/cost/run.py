@@ -29,9 +29,10 @@ class CostRequest:
     ep: int | None = None
     etp: int = 1
     tp: int | None = None  # None: the plan's tp_size
-    cp: int = 1
+    cp: int | None = None  # None: the plan's cp_size
     world_size: int | None = None
     tp_sizes: tuple[int, ...] | None = None  # --suggest: the TP degrees to rank (default: tp only)
+    cp_sizes: tuple[int, ...] | None = None  # --suggest: the context degrees to rank (default: cp only)
     suggest: bool = False
     tokens_per_expert: Path | None = None
     hardware: str | None = None
@@ -146,7 +147,7 @@ def estimate_cost(req: CostRequest) -> CostReport:
             f"{req.model_dir}: no MoE layer selected by the plan (found none, or all excluded/unmatched)"
         )
     try:
-        par = Parallel(ep=req.ep or plan.ep_size, etp=req.etp, tp=req.tp or plan.tp_size, cp=req.cp,
+        par = Parallel(ep=req.ep or plan.ep_size, etp=req.etp, tp=req.tp or plan.tp_size, cp=req.cp or plan.cp_size,
                        sequence_parallel=plan.sequence_parallel and (req.tp or plan.tp_size) > 1)
     except ValueError as e:
         raise UserError(str(e)) from e
@@ -177,10 +178,11 @@ def estimate_cost(req: CostRequest) -> CostReport:
         if not req.world_size:
             raise UserError("--suggest needs --world-size W (the ranks to split into EP x DP)")
         cands = suggest(spec, req.world_size, work, hw, par, prec, knobs, hist, reserve, req.non_expert,
-                        req.tp_sizes)
+                        req.tp_sizes, req.cp_sizes)
         if not cands:
-            raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))}) divides both the world "
-                            f"size {req.world_size} and the experts")
+            raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))} and a cp among "
+                            f"{list(req.cp_sizes or (par.cp,))}) divides both the world size {req.world_size} "
+                            "and the experts")
     balance = _balance(req, plan, spec, par, work, hw, dtype_bytes) if req.balance_skew is not None else None
     return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep),
                       colocated, balance)

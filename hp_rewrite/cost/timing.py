@@ -97,7 +97,7 @@ def tp_collective_time(sent_bytes: float, tp: int, hw: Hardware) -> float:
 
 
 def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap: bool = True,
-               tp: int = 1) -> LayerTime:
+               tp: int = 1, cp: int = 1) -> LayerTime:
     f, flops = cost.forward, hw.achieved_flops
     router, shared, experts, combine_mm = (
         f.router / flops,
@@ -121,9 +121,12 @@ def layer_time(cost: LayerCost, hw: Hardware, ep: int, chunks: int = 1, overlap:
     # TP collectives (gathers, the shared expert's all-reduce): on the critical path, not overlapped
     tp_fwd = tp_collective_time(cost.tp_forward_bytes, tp, hw)
     tp_bwd = tp_collective_time(cost.tp_backward_bytes, tp, hw)
-    bwd = 2 * (router + shared + experts + combine_mm) + a2a + tp_bwd
+    # Ulysses' all-to-alls within the context group (consecutive ranks): on the critical path, each direction
+    ulysses = tp_collective_time(cost.cp_bytes, cp, hw)
+    bwd = 2 * (router + shared + experts + combine_mm) + a2a + tp_bwd + ulysses
     compute = 3 * (router + shared + experts + combine_mm)
-    return LayerTime(compute=compute, comm=counts + 2 * a2a + tp_fwd + tp_bwd, forward=fwd + tp_fwd, backward=bwd)
+    return LayerTime(compute=compute, comm=counts + 2 * a2a + tp_fwd + tp_bwd + 2 * ulysses,
+                     forward=fwd + tp_fwd + ulysses, backward=bwd)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,6 @@ class StepTime:
 
 
 def step_time(cost: ModelCost, hw: Hardware) -> StepTime:
-    times = [layer_time(c, hw, cost.parallel.ep, cost.knobs.chunks, cost.knobs.overlap, cost.parallel.tp)
-             for c in cost.layers]
+    times = [layer_time(c, hw, cost.parallel.ep, cost.knobs.chunks, cost.knobs.overlap, cost.parallel.tp,
+                        cost.parallel.cp) for c in cost.layers]
     return StepTime(sum(t.compute for t in times), sum(t.comm for t in times), sum(t.total for t in times))
