@@ -179,6 +179,54 @@ def case_context_grpo(model_dir: str, out_dir: str) -> dict:
     return {**result, **_worst_after(model, ref, before)}
 
 
+def case_context_grpo_vllm(model_dir: str, out_dir: str) -> dict:
+    """GRPOTrainer generating with vLLM colocated (TRL's real VLLMGeneration over tests/vllm_standin.py's
+    engine), the context-parallel model loaded as users load it (``hp_rewrite.from_pretrained`` with a
+    ``cp_size: 2`` plan) against the unmodified checkpoint, one step. Each rank's engine samples its own
+    stream (as vLLM seeded by rank does); a context group trains on its first rank's completions, so the
+    reference's engine output is shared the same way."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hp_rewrite.training.batches import share_engine_generations
+    from tests.vllm_standin import vllm_standin
+
+    _reset_accelerate()
+    plan = Path(out_dir) / "cp2.yaml"
+    if dist.get_rank() == 0:
+        plan.parent.mkdir(parents=True, exist_ok=True)
+        plan.write_text(f"version: 1\nep_size: 2\ncp_size: {CP}\n")
+    dist.barrier()
+    model = hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=Path(out_dir) / "art-vllm")
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    vocab = ref.config.vocab_size
+    gen = torch.Generator().manual_seed(23)
+    prompts = [" ".join(f"t{i}" for i in torch.randint(3, vocab, (4,), generator=gen).tolist()) for _ in range(8)]
+    result = {}
+    for name, m in (("ep", model), ("ref", ref)):
+        firsts, lengths = _first_batches(m), _layer_lengths(m)
+        args = GRPOConfig(output_dir=str(Path(out_dir) / f"grpo-vllm-{name}"), per_device_train_batch_size=2,
+                          num_generations=2, max_completion_length=5, max_steps=1, learning_rate=1e-3,
+                          adam_epsilon=1e-4, use_vllm=True, vllm_mode="colocate", bf16=False, use_cpu=True,
+                          report_to=[], logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+        with vllm_standin():
+            trainer = GRPOTrainer(model=m, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                                  args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                  processing_class=tiny_tokenizer(vocab))
+            trainer.vllm_generation.llm.returned.extend([None] * dist.get_rank())  # each rank's own seed
+            if name == "ep":
+                hp_rewrite.prepare_trainer(trainer)
+            else:
+                share_batches(trainer.accelerator, CP, "reference")
+                share_engine_generations(trainer, model.hp_rewrite.ep.cp_group)
+            trainer.train()
+        result[name] = {"logs": _logs(trainer), "firsts": firsts, "lengths": lengths[-1:],
+                        "checkpointing": trainer.args.gradient_checkpointing}
+    return {**result, **_worst_after(model, ref, before)}
+
+
 def case_context_accelerate_refusal(model_dir: str, out_dir: str) -> dict:
     """accelerate's own context parallelism on an expert-parallel model: refused with the plan field."""
     from accelerate import Accelerator

@@ -30,6 +30,7 @@ from tests.context_engines import (  # noqa: E402, F401 (cases run by name)
     case_context_accelerate,
     case_context_accelerate_refusal,
     case_context_grpo,
+    case_context_grpo_vllm,
     case_context_sft,
 )
 from tests.engine_cases import _error  # noqa: E402

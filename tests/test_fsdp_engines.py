@@ -23,7 +23,7 @@ TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_s
              "accelerate_lora_presharded", "grpo", "grpo_lora", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
               "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux", "context_sft", "context_accelerate",
-              "context_accelerate_refusal", "context_grpo", "context_sft_fsdp"]
+              "context_accelerate_refusal", "context_grpo", "context_sft_fsdp", "context_grpo_vllm"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 # bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
 # so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
@@ -249,11 +249,13 @@ def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
         assert "peft.get_peft_model" in r["add_adapter"], r
 
 
-@pytest.mark.parametrize("case", ["context_sft", "context_sft_fsdp", "context_accelerate", "context_grpo"])
+@pytest.mark.parametrize("case", ["context_sft", "context_sft_fsdp", "context_accelerate", "context_grpo",
+                                  "context_grpo_vllm"])
 def test_context_parallel_through_the_engines_equals_unmodified(case: str, four) -> None:
     """cp_size 2 x 2 data-parallel ranks (tests/context_engines.py): TRL's SFTTrainer (activation checkpointing,
-    padding, num_items_in_batch, 2 accumulated micro-batches, clipping; DDP and FSDP2), TRL's GRPOTrainer (sampling, the
-    training forward's per-token log-probabilities of the completion) and a prepared Accelerator's DDP loop
+    padding, num_items_in_batch, 2 accumulated micro-batches, clipping; DDP and FSDP2), TRL's GRPOTrainer (sampling with transformers
+    or a colocated vLLM engine, each rank's own stream; the training forward's per-token log-probabilities
+    of the completion) and a prepared Accelerator's DDP loop
     against the unmodified model under the same engine fed one batch per context group: the same logs and
     weights; each context group got one batch and the groups different ones; the layers ran on shares."""
     for rank, r in enumerate(four[case]):
@@ -265,7 +267,7 @@ def test_context_parallel_through_the_engines_equals_unmodified(case: str, four)
         assert r["ep"]["lengths"][0] < r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])  # a share of the sequence
         if case == "context_sft_fsdp":  # accelerate's real FSDP2 path, over the data x context ranks
             assert r["ep"]["fsdp2"] and r["ref"]["fsdp2"], r
-        if case in ("context_sft", "context_sft_fsdp", "context_grpo"):
+        if case in ("context_sft", "context_sft_fsdp", "context_grpo", "context_grpo_vllm"):
             assert r["ep"]["checkpointing"], r
             assert_logs_agree(r["ep"]["logs"], r["ref"]["logs"], context=rank)
         else:

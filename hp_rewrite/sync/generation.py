@@ -28,7 +28,7 @@ from torch import nn
 
 from ..runtime.errors import ExpertParallelError
 
-__all__ = ["install_lockstep_generation"]
+__all__ = ["first_ranks_output", "first_ranks_random_state", "install_lockstep_generation"]
 
 
 def _generate(self: nn.Module, *args, **kwargs):
@@ -43,8 +43,9 @@ def _generate(self: nn.Module, *args, **kwargs):
     return type(self).generate(self, *args, **kwargs)
 
 
-def _first_ranks_output(out, group):
-    """``out`` as the first rank of ``group`` produced it (its length may differ from this rank's)."""
+def first_ranks_output(out, group):
+    """``out`` (a tensor, or any picklable object: an inference engine's completions) as the first rank of
+    ``group`` produced it (its length may differ from this rank's)."""
     if isinstance(out, torch.Tensor):
         shape = torch.tensor(out.shape, dtype=torch.int64, device=out.device)
         dist.broadcast(shape, group=group, group_src=0)  # one small read per generate call, not per step
@@ -56,7 +57,7 @@ def _first_ranks_output(out, group):
     return held[0]
 
 
-def _first_ranks_random_state(group, device: torch.device) -> None:
+def first_ranks_random_state(group, device: torch.device) -> None:
     """Set this rank's torch random streams (the host's and ``device``'s) to the first rank of ``group``'s,
     so what an engine draws after generating (TRL shuffles the generated batch) is drawn alike."""
     streams = [(torch.get_rng_state, torch.set_rng_state)]
@@ -77,8 +78,8 @@ class _GenerateInContextGroup:
         self.group = group
 
     def __call__(self, model: nn.Module, *args, **kwargs):
-        out = _first_ranks_output(_generate(model, *args, **kwargs), self.group)
-        _first_ranks_random_state(self.group, next(model.parameters()).device)
+        out = first_ranks_output(_generate(model, *args, **kwargs), self.group)
+        first_ranks_random_state(self.group, next(model.parameters()).device)
         return out
 
 

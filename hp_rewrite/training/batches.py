@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..runtime.errors import ExpertParallelError
+from ..sync.generation import first_ranks_output, first_ranks_random_state
 
 
 def share_batches(accelerator, size: int, what: str) -> None:
@@ -40,3 +41,23 @@ def share_batches(accelerator, size: int, what: str) -> None:
     mesh = init_device_mesh(accelerator.device.type, (world // size, size), mesh_dim_names=("dp_replicate", "cp"))
     accelerator._prepare_device_mesh = lambda: mesh
     accelerator.hp_rewrite_batch_share = size
+
+
+def share_engine_generations(trainer, group) -> None:
+    """TRL's vLLM generation (``use_vllm``, colocated or server) on a context-parallel model: each rank's
+    engine samples its own completions of the group's one batch of prompts (and a server hands each rank
+    its slice of completions sampled for every rank's copy), so each rank returns the context ``group``'s
+    first rank's completions and takes its random state, as ``generate`` does (:mod:`hp_rewrite.sync.generation`)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or getattr(generation, "hp_rewrite_context", False):
+        return
+    generate = generation.generate
+    device = trainer.accelerator.device
+
+    def generate_for_the_group(*args, **kwargs):
+        out = first_ranks_output(generate(*args, **kwargs), group)
+        first_ranks_random_state(group, device)
+        return out
+
+    generation.generate = generate_for_the_group
+    generation.hp_rewrite_context = True

@@ -40,7 +40,7 @@ from ..loading.save import save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
 from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
-from .batches import share_batches
+from .batches import share_batches, share_engine_generations
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
 from .rewritten import peft_model_of
 from .rl import install_rollout_replay, install_weight_sync
@@ -151,13 +151,10 @@ def prepare_trainer(trainer):
         )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
-    if record_of(model).ep.cp_size > 1 and getattr(trainer.args, "use_vllm", False):
-        raise ExpertParallelError(
-            "prepare_trainer: use_vllm with the plan's cp_size > 1 is not supported yet: vLLM samples each rank's "
-            "completions on its own, so the ranks of a context group would train on different batches; generate "
-            "with transformers (use_vllm=False: a context group then trains on its first rank's samples) or use "
-            "cp_size: 1")
-    share_batches(trainer.accelerator, record_of(model).ep.cp_size, "prepare_trainer")  # one per context group
+    ep = record_of(model).ep
+    share_batches(trainer.accelerator, ep.cp_size, "prepare_trainer")  # one batch per context group
+    if ep.cp_size > 1:
+        share_engine_generations(trainer, ep.cp_group)  # and one set of vLLM completions
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
