@@ -100,7 +100,7 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
         import hp_rewrite
 
         hp_rewrite.fully_shard(model)
-    forward = torch.compile(model, backend="aot_eager") if case.get("compile") else model
+    forward = torch.compile(model, backend=case["compile"]) if case.get("compile") else model
     out = forward(**inputs(mine))
     out.loss.backward()
     inner = model.module if case.get("engine") == "ddp" else model

@@ -131,7 +131,8 @@ def context_sft(out_dir: str, trainer_class=None, **config) -> dict:
         trainer.train()
         result[name] = {"logs": _logs(trainer), "firsts": firsts, "lengths": lengths[:1],
                         "checkpointing": trainer.args.gradient_checkpointing,
-                        "fsdp2": type(trainer.model).__name__.startswith("FSDP")}
+                        "fsdp2": type(trainer.model).__name__.startswith("FSDP"),
+                        "total_batch": trainer.get_total_train_batch_size(trainer.args)}
         if name == "ep":
             model = trainer.model
         else:

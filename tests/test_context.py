@@ -66,7 +66,7 @@ TWO = [dict(id=f"{m}-ep2-cp2", model_type=m, ep=2, cp=2, sliding=4, attn=a)
 TWO.append(dict(id="deepseek_v3-ep1-cp2", model_type="deepseek_v3", ep=1, cp=2))
 # torch.compile over the whole model (aot_eager: the graph inductor would get, breaks included, without
 # its compile time), in the world of 2 where each rank has a core to trace on
-TWO.append(dict(id="qwen3_moe-ep2-cp2-compile", model_type="qwen3_moe", ep=2, cp=2, compile=True))
+TWO.append(dict(id="qwen3_moe-ep2-cp2-compile", model_type="qwen3_moe", ep=2, cp=2, compile="aot_eager"))
 
 
 @pytest.fixture(scope="module")

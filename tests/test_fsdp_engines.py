@@ -265,6 +265,8 @@ def test_context_parallel_through_the_engines_equals_unmodified(case: str, four)
         assert r["ep"]["firsts"][0] == partner["ep"]["firsts"][0] != other["ep"]["firsts"][0], (rank, r["ep"])
         assert r["ep"]["firsts"] == r["ref"]["firsts"], (rank, r["ep"], r["ref"])
         assert r["ep"]["lengths"][0] < r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])  # a share of the sequence
+        if case in ("context_sft", "context_sft_fsdp"):  # 2 sequences x 2 micro-batches x 2 context groups
+            assert r["ep"]["total_batch"] == 8, r["ep"]
         if case == "context_sft_fsdp":  # accelerate's real FSDP2 path, over the data x context ranks
             assert r["ep"]["fsdp2"] and r["ref"]["fsdp2"], r
         if case in ("context_sft", "context_sft_fsdp", "context_grpo", "context_grpo_vllm"):

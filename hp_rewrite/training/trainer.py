@@ -132,6 +132,16 @@ def _join_adapter_saves(trainer) -> None:
     trainer.save_model = save_model_on_every_rank
 
 
+def _count_context_groups_once(trainer, cp_size: int) -> None:
+    """Trainer's total batch size (its logs, samples per second) counts every rank as data-parallel; a
+    context group holds one batch."""
+    if getattr(trainer, "hp_rewrite_cp_counted", False):
+        return
+    total = trainer.get_total_train_batch_size
+    trainer.get_total_train_batch_size = lambda args: total(args) // cp_size
+    trainer.hp_rewrite_cp_counted = True
+
+
 def prepare_trainer(trainer):
     """Make ``trainer`` save, checkpoint and resume its expert-parallel model exactly (module doc).
 
@@ -151,12 +161,13 @@ def prepare_trainer(trainer):
         )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise deepspeed_refusal("prepare_trainer")
     ep = record_of(model).ep
     share_batches(trainer.accelerator, ep.cp_size, "prepare_trainer")  # one batch per context group
     if ep.cp_size > 1:
         share_engine_generations(trainer, ep.cp_group)  # and one set of vLLM completions
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise deepspeed_refusal("prepare_trainer")
+        _count_context_groups_once(trainer, ep.cp_size)
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     install_weight_sync(trainer)  # TRL's vLLM paths send the checkpoint's names and full tensors
     install_rollout_replay(trainer)  # routing.replay_rollout: the training forwards replay vLLM's routes
