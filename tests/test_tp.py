@@ -35,6 +35,7 @@ REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv
             dict(id="ddp", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="ddp"),
             dict(id="trainer", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="trainer"),
             dict(id="batch-per-rank", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="batch_per_rank"),
+            dict(id="rows-swapped", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="rows_swapped"),
             dict(id="attentions", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="attentions"),
             dict(id="hidden-states", model_type="qwen3_moe", ep=2, tp=2, sp=True, engine="hidden_states"),
             dict(id="mesh-order", model_type="qwen3_moe", ep=2, tp=2, sp=False, mesh=((2, 2), ("tp", "dp"))),
@@ -101,6 +102,7 @@ def test_refusals_name_the_reason(world) -> None:
         assert "prepare_trainer" in results["trainer"] and "tp_size" in results["trainer"]
         # a sampler over the world (each rank its own batch) would train on a mix: caught at the first forward
         assert "different batches" in results["batch-per-rank"] and "rank // tp_size" in results["batch-per-rank"]
+        assert "different orders" in results["rows-swapped"], results["rows-swapped"]  # the same rows, reordered
         # outputs a rank holds only its share of
         assert "output_attentions" in results["attentions"] and "heads" in results["attentions"]
         assert "output_hidden_states" in results["hidden-states"] and "chunk" in results["hidden-states"]

@@ -123,6 +123,9 @@ def _refusal(case: dict, out_dir: str) -> str:
             hp_rewrite.prepare_trainer(Trainer(model=model, args=args))
         rank = torch.distributed.get_rank()
         ids = torch.full((1, case.get("seq", SEQ)), rank if case.get("engine") == "batch_per_rank" else 0)
+        if case.get("engine") == "rows_swapped":  # one batch, its rows in another order on odd ranks
+            ids = torch.arange(2 * case.get("seq", SEQ)).reshape(2, -1)
+            ids = ids.flip(0) if rank % 2 else ids
         extra = {"output_attentions": True} if case.get("engine") == "attentions" else {}
         extra.update({"output_hidden_states": True} if case.get("engine") == "hidden_states" else {})
         model(input_ids=ids, **extra)

@@ -21,9 +21,9 @@ take); a longer one that the group does not divide is split unevenly, ``torch.te
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..runtime.group.tokens import same_on_every_rank
 from .errors import ContextParallelError
 from .shard import Shares, gather_sequence, gather_token_rows, share_sequence
 from .ulysses import SHARES_KW, use_ulysses
@@ -43,16 +43,10 @@ class ContextSplit:
     def check_same_batch(self, ids: torch.Tensor) -> None:
         """The ranks of a context group must hold one batch, in one order: a sampler over the world gives each
         its own, which would run without an error and train on a mix. Compared once, at the first split
-        forward (sums weighted by position, so rows in another order differ too)."""
+        forward."""
         if self.checked:
             return
-        values = ids.detach().double().flatten()  # order matters: the same rows in another order split wrongly
-        place = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=ids.device)
-        mine = torch.stack([values.sum(), (values * place).sum(), (values.square() * place.remainder(7)).sum(),
-                            torch.tensor(float(values.numel()), dtype=torch.float64, device=ids.device)])
-        seen = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(seen, mine, group=self.group)
-        if not all(torch.allclose(s, seen[0], rtol=1e-9, atol=0.0) for s in seen):
+        if not same_on_every_rank(ids, self.group, self.size):  # in order: rows in another order split wrongly
             raise ContextParallelError(
                 "cp_size > 1: the ranks of a context group got different batches (or one in different orders); give "
                 "the cp_size consecutive ranks of a group the same batch (their data-parallel rank is rank // cp_size, e.g. a "

@@ -58,17 +58,11 @@ class _Boundary:
             )
 
     def check_same_batch(self, hidden: torch.Tensor) -> None:
-        """The ranks of a TP group must hold one batch; a sampler over the world gives each its own,
-        which would run without an error and train on a mix. Compared once, at the first forward."""
-        import torch.distributed as dist
-
-        mine = torch.stack([hidden.detach().double().sum(), hidden.detach().double().square().sum(),
-                            torch.tensor(float(hidden.numel()), dtype=torch.float64, device=hidden.device)])
-        seen = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(seen, mine, group=self.group)
-        if not all(torch.allclose(s, seen[0], rtol=1e-9, atol=0.0) for s in seen):
+        """The ranks of a TP group must hold one batch, in one order; a sampler over the world gives each its
+        own, which would run without an error and train on a mix. Compared once, at the first forward."""
+        if not tokens.same_on_every_rank(hidden, self.group, self.size):
             raise TensorParallelError(
-                "tp_size > 1: the ranks of a TP group got different batches; give the tp_size consecutive ranks "
+                "tp_size > 1: the ranks of a TP group got different batches (or one in different orders); give the tp_size consecutive ranks "
                 "of a group the same batch (their data-parallel rank is rank // tp_size, e.g. a DistributedSampler "
                 "with num_replicas=world_size // tp_size, rank=rank // tp_size)"
             )

@@ -267,7 +267,7 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
     :func:`context_parallel_mesh` (the EP groups are cut from the world as without it).
 
     Every rank must call it (building a mesh is collective). Without a ``mesh`` the groups are built
-    once per world and (``ep_size``, ``tp_size``, ``timeout_s``) and returned again to every later call
+    once per world and (``ep_size``, ``tp_size``, ``cp_size``, ``timeout_s``) and returned again to every later call
     (every model, every ``from_pretrained``): NCCL makes communicators per group, slow to create at
     scale and each holding device memory. Without ``torch.distributed`` initialised only
     ``ep_size == 1`` is possible.
@@ -276,7 +276,8 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
         raise ExpertParallelError(f"ep_size={ep_size!r}: must be an integer >= 1")
     if not (dist.is_available() and dist.is_initialized()):
         if ep_size != 1 or mesh is not None or tp_size != 1 or cp_size != 1:
-            which = f"ep_size={ep_size}" if tp_size == 1 else f"ep_size={ep_size} with tp_size={tp_size}"
+            which = (f"ep_size={ep_size}" + (f" with tp_size={tp_size}" if tp_size != 1 else "")
+                     + (f" with cp_size={cp_size}" if cp_size != 1 else ""))
             raise ExpertParallelError(
                 f"{which} needs torch.distributed initialised with a world size that is a "
                 "multiple of it (launch with torchrun --nproc-per-node N), or use ep_size 1"

@@ -79,3 +79,16 @@ def gather(x: torch.Tensor, group, rank: int, size: int, length: int, dim: int =
     if size == 1:
         return x
     return _Gather.apply(x, group, rank, size, dim, length)
+
+
+def same_on_every_rank(x: torch.Tensor, group, size: int) -> bool:
+    """Whether every rank of ``group`` holds the same ``x``, element for element and in the same order
+    (sums weighted by position: one batch's rows in another order differ too). A host read: call it once,
+    not per step."""
+    values = x.detach().double().flatten()
+    place = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=x.device)
+    mine = torch.stack([values.sum(), (values * place).sum(), (values.square() * place.remainder(7)).sum(),
+                        torch.tensor(float(values.numel()), dtype=torch.float64, device=x.device)])
+    seen = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(seen, mine, group=group)
+    return all(torch.allclose(s, seen[0], rtol=1e-9, atol=0.0) for s in seen)
