@@ -43,7 +43,7 @@ def reference(case: dict, dtype: torch.dtype):
 
 
 def _plan(case: dict) -> str:
-    text = f"version: 1\nep_size: {case['ep']}\ncp_size: {case['cp']}\n"
+    text = f"version: 1\nep_size: {case['ep']}\ncp_size: {case['cp']}\ntp_size: {case.get('tp', 1)}\n"
     if case.get("balance"):  # every layer lends rows (threshold 1, any piece)
         text += "runtime:\n  balance: auto\n  balance_threshold: 1.0\n  balance_min_rows: 1\n"
     return text
@@ -69,7 +69,7 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
         return _generate(rank, case, ref, model)
     if case.get("lora"):  # LoRA on attention (drawn non-zero, so every factor gets a gradient), the base frozen
         ref, model = _with_lora(ref), _with_lora(model)
-    cp = case["cp"]
+    cp = case["cp"] * case.get("tp", 1)  # the ranks holding one batch: a block of tp x cp with TP
     dp = world // cp
     ids, mask = _batch(case, ref.config.get_text_config().vocab_size, dp)
     mine = slice(rank // cp * PER_BATCH, (rank // cp + 1) * PER_BATCH)
@@ -111,7 +111,9 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     loss = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
     grad, grad_name = worst_grad(inner, ref)
     moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
-    return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name,
+    dense_split = any("tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
+                      for p in inner.parameters())  # tp_size: slices over a TP mesh
+    return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name, "dense_split": dense_split,
             "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None}
 
 

@@ -32,6 +32,10 @@ from tests.context_engines import (  # noqa: E402, F401 (cases run by name)
     case_context_grpo,
     case_context_grpo_vllm,
     case_context_sft,
+    case_tp_accelerate,
+    case_tp_cp_sft,
+    case_tp_grpo,
+    case_tp_sft,
 )
 from tests.engine_cases import _error  # noqa: E402
 from tests.engine_script import (  # noqa: E402

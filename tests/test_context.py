@@ -51,6 +51,11 @@ CASES += [
     # LoRA on attention (PEFT, base frozen)
     dict(id="qwen3_moe-ep2-cp2-lora", model_type="qwen3_moe", ep=2, cp=2, lora=True),
     dict(id="bf16-qwen3_moe-ep2-cp2", model_type="qwen3_moe", ep=2, cp=2, bf16=True),
+    # with TP groups of 2 (the dense parts split over them, Ulysses over their heads / 2): one batch a block
+    # of 4 ranks; EP 2 inside a TP group's block, EP 4 over the block (2 key / value heads: 1 a TP rank,
+    # repeated for Ulysses)
+    dict(id="qwen3_moe-ep2-tp2-cp2", model_type="qwen3_moe", ep=2, tp=2, cp=2),
+    dict(id="deepseek_v3-ep4-tp2-cp2-checkpointing", model_type="deepseek_v3", ep=4, tp=2, cp=2, checkpointing=True),
     dict(id="bf16-deepseek_v3-ep4-cp2", model_type="deepseek_v3", ep=4, cp=2, bf16=True),
 ]
 GENERATE = [dict(id="generate-qwen3_moe-ep2-cp2", model_type="qwen3_moe", ep=2, cp=2, generate=True)]
@@ -87,12 +92,13 @@ def _check(results: list[dict], case: dict) -> None:
     seq = case.get("seq", 12)
     for rank, result in enumerate(results):
         got = result[case["id"]]
-        start = rank % case["cp"] * seq // case["cp"]
+        start = rank // case.get("tp", 1) % case["cp"] * seq // case["cp"]
         if case.get("whole"):
             assert got["layer_seq"] == seq, f"rank {rank} split a sequence shorter than the group: {got}"
         else:
             assert got["layer_seq"] < seq, f"rank {rank} ran its decoder layers on the whole sequence: {got}"
         assert got["shape"][1] == seq, f"rank {rank}'s logits are not the whole sequence: {got}"
+        assert got["dense_split"] == (case.get("tp", 1) > 1), f"rank {rank}: {got}"
         assert got["logits"] <= tol, f"rank {rank} (positions from {start}): {got}"
         assert got["loss"] <= tol, f"rank {rank}: {got}"
         assert got["grad"] <= tol, f"rank {rank}: {got}"

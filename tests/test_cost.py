@@ -508,7 +508,7 @@ def test_suggest_ranks_tp_degrees_with_their_collectives() -> None:
 def test_suggest_ranks_context_degrees_with_their_exchanges() -> None:
     """A context group shares one micro-batch: each rank holds 1/cp of its tokens, so its activations
     shrink and a layout that does not fit at cp 1 fits at cp 2; tokens per second count a group's batch
-    once, and Ulysses' all-to-alls are on the critical path. tp and cp do not compose yet."""
+    once, and Ulysses' all-to-alls are on the critical path; with tp too, each rank exchanges its heads / tp."""
     from hp_rewrite.cost.timing import tp_collective_time
 
     def mem(ep, cp):
@@ -516,14 +516,16 @@ def test_suggest_ranks_context_degrees_with_their_exchanges() -> None:
 
     hw = _hw((mem(8, 1) + mem(8, 2)) / 2, alpha_s=1e-6, beta_Bps=1e9)
     cands = suggest(SYN, 8, WORK, hw, tp_sizes=(1, 2), cp_sizes=(1, 2))
-    assert {(c.ep, c.tp, c.cp) for c in cands} == ({(e, t, 1) for e in (1, 2, 4, 8) for t in (1, 2)}
-                                                   | {(e, 1, 2) for e in (1, 2, 4, 8)})
+    assert {(c.ep, c.tp, c.cp) for c in cands} == {(e, t, p) for e in (1, 2, 4, 8) for t in (1, 2) for p in (1, 2)}
     assert any(c.feasible and c.cp == 2 and c.ep == 8 for c in cands)
     assert not any(c.feasible for c in cands if (c.ep, c.tp, c.cp) == (8, 1, 1))
     c = next(c for c in cands if c.cp == 2 and c.feasible)
     assert c.tokens_per_s == pytest.approx(8 // 2 * WORK.seq_len * WORK.micro_batch / c.step_s)
     ulysses = sum(2 * tp_collective_time(lay.cp_bytes, 2, hw) for lay in c.cost.layers)
     assert 0 < ulysses <= c.time.comm
+    both = next(c for c in cands if (c.ep, c.tp, c.cp) == (8, 2, 2))
+    alone = next(c for c in cands if (c.ep, c.tp, c.cp) == (8, 1, 2))
+    assert both.cost.layers[0].cp_bytes == pytest.approx(alone.cost.layers[0].cp_bytes / 2)
 
 
 def test_data_parallel_states_and_traffic_by_hand() -> None:

@@ -23,7 +23,8 @@ TWO_RANKS = ["accelerate", "accelerate_sgd", "accelerate_presharded", "trainer_s
              "accelerate_lora_presharded", "grpo", "grpo_lora", "refusals"]
 FOUR_RANKS = ["accelerate", "accelerate_sgd", "trainer_sgd", "trainer_full", "sft", "sft_sgd", "trainer_lora_experts",
               "accelerate_lora", "ddp_trainer_lora", "trainer_global_aux", "context_sft", "context_accelerate",
-              "context_accelerate_refusal", "context_grpo", "context_sft_fsdp", "context_grpo_vllm"]
+              "context_accelerate_refusal", "context_grpo", "context_sft_fsdp", "context_grpo_vllm", "tp_sft",
+              "tp_accelerate", "tp_grpo", "tp_cp_sft"]
 SFT_BF16_TOL = 1e-2  # relative, against SFTTrainer on the unmodified model under the same policy (measured 1.9e-3)
 # bf16 LoRA: an adapter PEFT starts at zero (lora_B) is about lr * sign(gradient) after Adam's first steps,
 # so a gradient entry near zero whose bf16 rounding differs moves it by up to lr: measured 1.8e-2 on an
@@ -250,26 +251,34 @@ def test_what_fsdp2_engines_cannot_make_exact_is_refused(two) -> None:
 
 
 @pytest.mark.parametrize("case", ["context_sft", "context_sft_fsdp", "context_accelerate", "context_grpo",
-                                  "context_grpo_vllm"])
+                                  "context_grpo_vllm", "tp_sft", "tp_accelerate", "tp_grpo", "tp_cp_sft"])
 def test_context_parallel_through_the_engines_equals_unmodified(case: str, four) -> None:
     """cp_size 2 x 2 data-parallel ranks (tests/context_engines.py): TRL's SFTTrainer (activation checkpointing,
     padding, num_items_in_batch, 2 accumulated micro-batches, clipping; DDP and FSDP2), TRL's GRPOTrainer (sampling with transformers
     or a colocated vLLM engine, each rank's own stream; the training forward's per-token log-probabilities
-    of the completion) and a prepared Accelerator's DDP loop
+    of the completion) and a prepared Accelerator's DDP loop (a reduction after every micro-batch)
     against the unmodified model under the same engine fed one batch per context group: the same logs and
-    weights; each context group got one batch and the groups different ones; the layers ran on shares."""
+    weights; each context group got one batch and the groups different ones; the layers ran on shares.
+    ``tp_*``: the same with tp_size 2 instead (TP-extended EP, trained without DDP: the engine guard reduces
+    the TP slices), the layers on the whole sequence; ``tp_cp_sft``: tp_size 2 and cp_size 2, one batch on
+    all 4 ranks."""
     for rank, r in enumerate(four[case]):
         assert r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst_name"], r["worst"], r["moved"])
         partner = four[case][rank ^ 1]  # the other rank of this context group
-        other = four[case][(rank + 2) % 4]  # a rank of the other group
-        assert r["ep"]["firsts"][0] == partner["ep"]["firsts"][0] != other["ep"]["firsts"][0], (rank, r["ep"])
+        other = four[case][(rank + 2) % 4]  # a rank of the other group (of this block's, with tp x cp)
+        assert r["ep"]["firsts"][0] == partner["ep"]["firsts"][0], (rank, r["ep"])
+        assert (r["ep"]["firsts"][0] == other["ep"]["firsts"][0]) == (case == "tp_cp_sft"), (rank, r["ep"])
         assert r["ep"]["firsts"] == r["ref"]["firsts"], (rank, r["ep"], r["ref"])
-        assert r["ep"]["lengths"][0] < r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])  # a share of the sequence
-        if case in ("context_sft", "context_sft_fsdp"):  # 2 sequences x 2 micro-batches x 2 context groups
-            assert r["ep"]["total_batch"] == 8, r["ep"]
+        if case in ("tp_sft", "tp_accelerate", "tp_grpo"):
+            assert r["ep"]["lengths"][0] == r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])
+        else:
+            assert r["ep"]["lengths"][0] < r["ref"]["lengths"][0], (rank, r["ep"], r["ref"])  # a share of the sequence
+        if case in ("context_sft", "context_sft_fsdp", "tp_sft", "tp_cp_sft"):  # 2 sequences x 2 micro-batches
+            assert r["ep"]["total_batch"] == (4 if case == "tp_cp_sft" else 8), r["ep"]  # x 2 groups (or 1)
         if case == "context_sft_fsdp":  # accelerate's real FSDP2 path, over the data x context ranks
             assert r["ep"]["fsdp2"] and r["ref"]["fsdp2"], r
-        if case in ("context_sft", "context_sft_fsdp", "context_grpo", "context_grpo_vllm"):
+        if case in ("context_sft", "context_sft_fsdp", "context_grpo", "context_grpo_vllm", "tp_sft", "tp_grpo",
+                    "tp_cp_sft"):
             assert r["ep"]["checkpointing"], r
             assert_logs_agree(r["ep"]["logs"], r["ref"]["logs"], context=rank)
         else:
@@ -279,3 +288,4 @@ def test_context_parallel_through_the_engines_equals_unmodified(case: str, four)
 def test_context_parallel_refusals_name_the_plan_field(four) -> None:
     for r in four["context_accelerate_refusal"]:
         assert "cp_size: 2 in the hp-rewrite plan" in r["message"], r
+        assert "FSDP2 through the engine" in r["tp_fsdp"] and "tp_size 2" in r["tp_fsdp"], r

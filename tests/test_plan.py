@@ -362,7 +362,7 @@ def test_document_level_errors(text: str, line: int, fragment: str) -> None:
 
 
 @pytest.mark.parametrize(("extra", "fix"), [
-    ("tp_size: 2", "tp_size: 1"),
+    ("tp_size: 2\nsequence_parallel: true", "sequence_parallel: false"),
     ("runtime: {capacity_factor: 1.25}", "capacity_factor: null"),
     ("routing: {aux_loss: global}", "aux_loss: micro_batch"),
     ("routing: {z_loss_coef: 0.001}", "z_loss_coef: 0"),
@@ -376,6 +376,7 @@ def test_context_parallelism_refuses_what_it_does_not_compose_with(extra: str, f
 def test_context_section() -> None:
     plan = parse_plan("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ulysses}\n")
     assert (plan.cp_size, plan.context.scheme) == (2, "ulysses")
+    assert parse_plan("version: 1\nep_size: 2\ntp_size: 2\ncp_size: 2\n").tp_size == 2  # tp x cp composes
     assert plan.hash() == parse_plan("version: 1\nep_size: 2\ncp_size: 2\n").hash()
     assert "choose one of: ulysses" in error_of("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ring}\n")
     assert ">= 1" in error_of("version: 1\nep_size: 2\ncp_size: 0\n")

@@ -88,16 +88,19 @@ def _share_positions(value, shares: Shares):
     return value
 
 
-def install_context(model: nn.Module, group, rank: int, size: int) -> ContextSplit:
+def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int = 1) -> ContextSplit:
     """Split ``model``'s sequences over the context ``group`` (module doc); refused, naming what is missing,
-    for a model without transformers' decoder layout or attention interface, or heads ``size`` cannot split."""
+    for a model without transformers' decoder layout or attention interface, or heads ``size`` cannot split
+    (a TP group's ``tp_size`` ranks already hold ``heads / tp_size`` each)."""
     decoder, layers = _decoder(model)
     attention = [m for i, layer in enumerate(layers) for m in _attention_modules(layer, i)]
     heads = getattr(attention[0].config, "num_attention_heads", None)
-    if isinstance(heads, int) and heads % size:
+    if isinstance(heads, int) and heads % (size * tp_size):
+        sizes, share = (f"cp_size {size} x tp_size {tp_size}", "heads / (tp_size x cp_size)") if tp_size > 1 else \
+            (f"cp_size {size}", "heads / cp_size")
         raise ContextParallelError(
-            f"cp_size {size} does not divide {type(model).__name__}'s {heads} attention heads (Ulysses gives each "
-            "rank heads / cp_size of them): choose a cp_size that divides it")
+            f"{sizes} does not divide {type(model).__name__}'s {heads} attention heads (Ulysses gives each rank "
+            f"{share} of them): choose sizes that divide it")
     use_ulysses(attention)
     state = ContextSplit(group, rank, size, decoder, attention)
 

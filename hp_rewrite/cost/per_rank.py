@@ -414,11 +414,12 @@ def layer_cost(
 def _cp_bytes(lay: MoELayerSpec, par: Parallel, block_bytes: float) -> float:
     """Bytes this rank sends off in its decoder layer's Ulysses all-to-alls, forward (the backward sends
     the same again): query, key, value in and the output back, each this rank's ``[tokens / cp, width]``
-    of which ``(cp - 1) / cp`` leaves it. Counted at the model width (GQA's narrower key / value: an upper
-    bound). The decoder's one gather of the last hidden state per forward is left out (once a model)."""
+    of which ``(cp - 1) / cp`` leaves it; with TP its ``heads / tp`` only. Counted at the model width (GQA's
+    narrower key / value: an upper bound). The decoder's one gather of the last hidden state per forward is
+    left out (once a model)."""
     if par.cp == 1:
         return 0.0
-    return 4 * block_bytes * (par.cp - 1) / par.cp
+    return 4 * block_bytes * (par.cp - 1) / par.cp / par.tp
 
 
 def _tp_bytes(lay: MoELayerSpec, par: Parallel, block_bytes: float) -> dict[str, float]:

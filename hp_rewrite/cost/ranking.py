@@ -82,7 +82,7 @@ def suggest(
     tokens per second: a TP or context group shares one micro-batch).
 
     ``tp_sizes`` / ``cp_sizes``: the TP / context degrees to try (default: ``base.tp`` / ``base.cp`` only);
-    one of ep and tp must divide the other, as the runtime requires; tp and cp do not compose yet. ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole
+    one of ep and tp must divide the other, as the runtime requires. ``non_expert``: ``replicate`` or ``fully_shard`` costs the whole
     model's states and its data-parallel collectives (:mod:`.sharding`); None costs the MoE layers'
     states only, as before.
     """
@@ -92,7 +92,7 @@ def suggest(
     capacity = hw.memory_bytes - reserve_bytes
     out = []
     layouts = [(tp, cp) for tp in tp_sizes or (base.tp,) for cp in cp_sizes or (base.cp,)
-               if world_size % (tp * cp) == 0 and (tp == 1 or cp == 1)]
+               if world_size % (tp * cp) == 0]
     for tp, cp in layouts:
         for ep in feasible_eps(spec, world_size):
             if max(ep, tp) % min(ep, tp):

@@ -113,7 +113,7 @@ def attach(model: nn.Module, info: RewriteInfo) -> nn.Module:
         freeze_routers(model)
     info.engine = install_engine_guard(model, info.ep)
     install_lockstep_generation(model, info.ep.size > 1 or info.ep.tp_size > 1 or info.ep.cp_size > 1,
-                                info.ep.cp_group if info.ep.cp_size > 1 else None)
+                                info.ep.batch_group)
     info.runtime = next(iter(exchange_runtimes(model)), None)
     install_replay(model, routing.replay_in_recompute)
     if routing.aux_loss == "global" or routing.z_loss_coef:
@@ -196,7 +196,7 @@ def split_context(model: nn.Module, plan: Plan, ep: ExpertParallelGroup):
         raise ExpertParallelError(
             f"the plan's cp_size is {plan.cp_size} but the EP group's context group has {ep.cp_size} rank(s): "
             "build it with build_expert_parallel_group(ep_size, cp_size=...), or leave ep to hp-rewrite")
-    return install_context(model, ep.cp_group, ep.cp_rank, ep.cp_size)
+    return install_context(model, ep.cp_group, ep.cp_rank, ep.cp_size, ep.tp_size)
 
 
 def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: list[str]):

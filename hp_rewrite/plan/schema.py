@@ -307,7 +307,7 @@ class Plan(_Section):
         """What context parallelism does not compose with yet, refused by field."""
         if self.cp_size == 1:
             return
-        refused = [("tp_size > 1", self.tp_size > 1, "tp_size: 1"),
+        refused = [("sequence_parallel: true", self.sequence_parallel, "sequence_parallel: false"),
                    ("runtime.capacity_factor", self.runtime.capacity_factor is not None,
                     "capacity_factor: null (capacity would be decided on each rank's share of a sequence)"),
                    ("routing.aux_loss: global", self.routing.aux_loss == "global", "aux_loss: micro_batch"),

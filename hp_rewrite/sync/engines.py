@@ -38,9 +38,11 @@ from ..runtime.errors import ExpertParallelError
 from ..runtime.group.groups import ExpertParallelGroup
 from ..runtime.overlap.turns import in_interleaved_step
 from .gradients import (
+    BUCKET_BYTES,
     rank_local_modules,
     rank_local_names,
     rank_local_parameters,
+    reduce_gradients,
     reduce_rank_local_grads,
     trains_rank_local_only,
 )
@@ -148,6 +150,7 @@ class EngineGuard:
         self._tasks: set[int] = set()  # backward passes (graph tasks) started and not finished
         self._reduced = False  # the rank-local gradients hold reduced (final) values
         self._engine_sync = None  # set by sync_without_ddp: whether this backward synchronises
+        self._sync_everything = None  # set by sync_without_ddp: reduce every gradient in buckets of these bytes
         model._ddp_params_and_buffers_to_ignore = RankLocalNames(model)
         self._handles = [
             model.register_forward_pre_hook(self._before_forward),
@@ -164,7 +167,7 @@ class EngineGuard:
         twin._above = None  # the copy is not complete yet: found at its first forward
         twin._checked, twin._tasks, twin._handles = weakref.WeakKeyDictionary(), set(), []
         twin.under_ddp = twin.ddp_sync = twin._reduced = False
-        twin._engine_sync = None
+        twin._engine_sync, twin._sync_everything = None, None
         twin.reductions = 0
         return twin
 
@@ -285,18 +288,19 @@ class EngineGuard:
 
     def _unreduce(self) -> None:
         """Before a backward adds to gradients that a reduction already made final, scale those by the
-        EP size, so that the next reduction (a sum over the replicas, divided by the world size) gives
-        them back unchanged: final values are equal on every replica, and replicas x EP = world. So an
-        accumulation that reduces after every micro-batch (DDP without ``no_sync()``, or
-        ``sync_gradients`` called each time) gives the same gradients as one reduction at the end;
-        without this the earlier micro-batches would end up divided by the EP size once more."""
+        data-parallel size over the replica size (the EP size over the TP size), so that the next reduction
+        (a sum over the replicas, divided by the data-parallel size) gives them back unchanged: final values
+        are equal on every replica. So an accumulation that reduces after every micro-batch (DDP without
+        ``no_sync()``, or ``sync_gradients`` called each time) gives the same gradients as one reduction at
+        the end; without this the earlier micro-batches would end up divided once more."""
         if not self._reduced:
             return
         self._reduced = False
-        if self.ep.size > 1:
+        factor = self.ep.dp_size / self.ep.replica_size
+        if factor != 1:
             for p in rank_local_parameters(self._model):
                 if p.grad is not None:
-                    p.grad.mul_(self.ep.size)
+                    p.grad.mul_(factor)
 
     def _finish(self, task: int, sync: bool) -> None:
         """End of a backward; when DDP synchronises it, the rank-local gradients are summed over the
@@ -306,16 +310,21 @@ class EngineGuard:
             return
         for runtime in exchange_runtimes(self._model):  # runtime.defer_expert_grads: the deferred parts first
             runtime.weight_grads.flush()
-        reduce_rank_local_grads([p for p in rank_local_parameters(self._model) if p.requires_grad], self.ep)
+        if self._sync_everything:
+            reduce_gradients(self._model, self.ep, self._sync_everything)
+        else:
+            reduce_rank_local_grads([p for p in rank_local_parameters(self._model) if p.requires_grad], self.ep)
         self.reductions += 1
         self._reduced = True
 
-    def sync_without_ddp(self, synchronises) -> None:
-        """For an engine that builds no DDP because every trainable parameter is rank-local (DDP
-        refuses a model with nothing for it to manage): the guard reduces those gradients at the end of
-        every backward for which ``synchronises()`` (asked at the forward: accelerate's
-        ``sync_gradients``) is true, as it does under a synchronising DDP."""
-        self._engine_sync = synchronises
+    def sync_without_ddp(self, synchronises, everything: bool = False, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """For an engine that builds no DDP: the guard reduces the gradients at the end of every backward
+        for which ``synchronises()`` (asked at the forward: accelerate's ``sync_gradients``) is true, as
+        under a synchronising DDP. The rank-local ones when every trainable parameter is rank-local (DDP
+        refuses a model with nothing for it to manage); ``everything`` (a model split over TP groups, whose
+        DTensor parameters DDP cannot average) as :func:`~.gradients.reduce_gradients` does, in buckets of
+        ``bucket_bytes``."""
+        self._engine_sync, self._sync_everything = synchronises, bucket_bytes if everything else None
 
     def refuse_manual_sync(self, what: str) -> None:
         """``sync_gradients`` / ``GradientSync`` on a model that DDP already synchronises would reduce

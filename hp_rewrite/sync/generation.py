@@ -12,10 +12,12 @@ sampling, with and without a cache, directly or through PEFT's and TRL's ``gener
 leave the loop early anyway is refused by name: ``synced_gpus=False`` and transformers' continuous
 batching (``generate_batch``, which ignores ``synced_gpus``; TRL's ``use_transformers_continuous_batching``).
 
-With context parallelism the ranks of a context group hold the same prompts and generate them whole,
-but they sample with their own random streams (and may round their logits differently): each returns
-the group's first rank's output and takes its random state, so they go on training on one batch in one
-order (TRL shuffles the generated batch with torch's generator), as context parallelism needs.
+The ranks of a context group (``cp_size``) or a TP group (``tp_size``) hold the same prompts. A TP group's
+dense parts combine its ranks' activations at every step, so its ranks must draw the same tokens: they
+start from the group's first rank's random state (their logits are gathered, the same on every rank). A
+context group generates whole on every rank, whose logits may round differently. Either way each rank
+returns the group's first rank's output and takes its random state, so they go on training on one batch
+in one order (TRL shuffles the generated batch with torch's generator), as both need.
 """
 
 from __future__ import annotations
@@ -70,16 +72,18 @@ def first_ranks_random_state(group, device: torch.device) -> None:
         put(state.cpu())
 
 
-class _GenerateInContextGroup:
-    """``_generate``, then the context group's first rank's output and random state (bound to the model as
-    its ``generate``)."""
+class _GenerateInGroup:
+    """``_generate`` from the group's first rank's random state, then its output and random state (bound to
+    the model as its ``generate``)."""
 
     def __init__(self, group) -> None:
         self.group = group
 
     def __call__(self, model: nn.Module, *args, **kwargs):
+        device = next(model.parameters()).device
+        first_ranks_random_state(self.group, device)
         out = first_ranks_output(_generate(model, *args, **kwargs), self.group)
-        first_ranks_random_state(self.group, next(model.parameters()).device)
+        first_ranks_random_state(self.group, device)
         return out
 
 
@@ -91,13 +95,14 @@ def _generate_batch(self: nn.Module, *args, **kwargs):
         "or a vLLM / SGLang engine")
 
 
-def install_lockstep_generation(model: nn.Module, spans_ranks: bool, context_group=None) -> None:
+def install_lockstep_generation(model: nn.Module, spans_ranks: bool, batch_group=None) -> None:
     """Make ``model.generate`` lockstep by default (and refuse continuous batching) when its expert or
-    tensor group ``spans_ranks``, returning the first rank's output over a ``context_group``; bound
-    methods, so a ``copy.deepcopy`` of the model binds its own."""
+    tensor group ``spans_ranks``, sampling and returning as the first rank of ``batch_group`` (the ranks
+    holding one batch: a context or TP group) does; bound methods, so a ``copy.deepcopy`` of the model
+    binds its own."""
     if not spans_ranks or not hasattr(model, "generate"):
         return
-    generate = _generate if context_group is None else _GenerateInContextGroup(context_group)
+    generate = _generate if batch_group is None else _GenerateInGroup(batch_group)
     model.generate = types.MethodType(generate, model)
     if hasattr(model, "generate_batch"):
         model.generate_batch = types.MethodType(_generate_batch, model)

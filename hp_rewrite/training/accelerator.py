@@ -23,8 +23,9 @@ its state dicts would hold rank 0's experts only. :func:`prepare_accelerator` ch
   accelerate's PEFT recipe passes to ``save_pretrained(state_dict=...)``; every rank calls it), and
   ``save_model`` is refused (a full checkpoint would hold PEFT's names): save the adapter.
 
-With the plan's ``cp_size`` the data loaders it prepares give each context group one batch
-(:mod:`.batches`). DeepSpeed, FSDP1 and accelerate's own tensor or context parallelism in the
+With the plan's ``cp_size`` or ``tp_size`` the data loaders it prepares give each context or TP group one
+batch (:mod:`.batches`); a model split over TP groups is prepared without DDP
+(:func:`train_split_without_ddp`). DeepSpeed, FSDP1 and accelerate's own tensor or context parallelism in the
 ``parallelism_config`` are refused, naming the plan field to use instead.
 """
 
@@ -48,7 +49,7 @@ from .batches import share_batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .fsdp import clip_grad_norm_, shard_experts
 from .rank_state import load_active_adapter, load_optimizer, rank_and_world, save_optimizer
-from .rewritten import peft_model_of, refuse_unsaved_trainables
+from .rewritten import bucket_bytes, peft_model_of, refuse_unsaved_trainables
 from .routing import prepare_accelerator_routing
 
 #: the folder inside an accelerate state (``save_state``) holding model ``i`` and its optimizer
@@ -240,11 +241,32 @@ def load_adapter_state(peft, optimizer, folder: Path) -> None:
         load_optimizer(optimizer, peft, _optimizer_file(folder), "load_state")
 
 
-def leave_out_ddp(accelerator, model) -> None:
+def train_split_without_ddp(accelerator, model, what: str) -> None:
+    """A model split over TP groups (``tp_size > 1``): its dense weights are DTensor slices, which DDP
+    cannot average (and a world mean would mix slices). accelerate prepares it without DDP and the engine
+    guard reduces every gradient at each synchronising step as ``hp_rewrite.sync_gradients`` does (slices
+    over the data-parallel ranks holding them); ``clip_grad_norm_`` counts each slice once. FSDP2 is
+    refused: train it in a loop with ``hp_rewrite.fully_shard``."""
+    if getattr(accelerator, "is_fsdp2", False) or _kind(accelerator) == "FSDP":
+        raise ExpertParallelError(
+            f"{what}: FSDP2 through the engine around a model split over TP groups (tp_size "
+            f"{record_of(model).ep.tp_size}) is not supported yet; use the engine's DDP (no fsdp config: the "
+            "TP slices are reduced over the data-parallel ranks), or shard it in a loop with hp_rewrite.fully_shard")
+    leave_out_ddp(accelerator, model, everything=True)
+
+    def clip_each_slice_once(parameters, max_norm, norm_type=2):
+        accelerator.unscale_gradients()
+        return clip_grad_norm_(parameters, max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_each_slice_once
+
+
+def leave_out_ddp(accelerator, model, everything: bool = False) -> None:
     """Every trainable parameter of ``model`` is rank-local (adapters on the experts only): DDP would
     have nothing to manage and refuses to be built, so accelerate prepares it without DDP (its
     ``evaluation_mode``: device placement, mixed precision and compile, no DDP), and the engine guard
-    reduces the rank-local gradients at every synchronising step (``sync_gradients``), as under DDP."""
+    reduces the rank-local gradients (``everything``: all of them) at every synchronising step
+    (accelerate's ``sync_gradients``), as under DDP."""
     prepare_model = accelerator.prepare_model
 
     def prepare_model_without_ddp(m, device_placement=None, evaluation_mode=False):
@@ -252,7 +274,8 @@ def leave_out_ddp(accelerator, model) -> None:
         return prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode or mine)
 
     accelerator.prepare_model = prepare_model_without_ddp
-    record_of(model).engine.sync_without_ddp(lambda: accelerator.sync_gradients)
+    record_of(model).engine.sync_without_ddp(lambda: accelerator.sync_gradients, everything,
+                                             bucket_bytes(record_of(model)))
 
 
 def prepare_accelerator(accelerator):
@@ -267,15 +290,10 @@ def prepare_accelerator(accelerator):
                                              accelerator.save_state, accelerator.load_state)
 
     def prepare_ep(*args, device_placement=None):
-        split = [a for a in args if _is_ep_model(a) and record_of(a).ep.tp_size > 1]
-        if split:
-            raise ExpertParallelError(
-                "prepare_accelerator: a model split over TP groups (tp_size > 1) is not supported through accelerate "
-                "(its DDP / FSDP wrapper and data loader would treat TP ranks as separate batches); train it in a "
-                "loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
-            )
-        for model in (a for a in args if _is_ep_model(a)):  # one batch per context group
-            share_batches(accelerator, record_of(model).ep.cp_size, "prepare_accelerator")
+        for model in (a for a in args if _is_ep_model(a)):  # one batch per context or TP group
+            share_batches(accelerator, record_of(model).ep.batch_ranks, "prepare_accelerator")
+            if record_of(model).ep.tp_size > 1:
+                train_split_without_ddp(accelerator, rewritten_model(model), "prepare_accelerator")
         if accelerator.is_fsdp2 and any(_is_ep_model(a) for a in args):
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             models = [a for a in args if _is_ep_model(a)]
@@ -286,7 +304,8 @@ def prepare_accelerator(accelerator):
                 prepared = prepare(*args, device_placement=device_placement)
         else:
             for model in (a for a in args if _is_ep_model(a)):
-                if accelerator.num_processes > 1 and trains_rank_local_only(rewritten_model(model), model):
+                if (accelerator.num_processes > 1 and record_of(model).ep.tp_size == 1
+                        and trains_rank_local_only(rewritten_model(model), model)):
                     leave_out_ddp(accelerator, rewritten_model(model))
             prepared = prepare(*args, device_placement=device_placement)
         prepare_accelerator_routing(accelerator, prepared)

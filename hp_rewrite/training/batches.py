@@ -1,7 +1,8 @@
-"""One batch per context group through the engines' data loaders.
+"""One batch per context or TP group through the engines' data loaders.
 
 With ``cp_size > 1`` the ranks of a context group (consecutive ranks) must hold the same batch: each
-splits its sequences and the model gathers them back. accelerate shards a data loader over the ranks
+splits its sequences and the model gathers them back. So must the ranks of a TP group (``tp_size > 1``):
+each holds a slice of every dense weight. accelerate shards a data loader over the ranks
 it is told are data-parallel, and when the device mesh it shards by names a ``cp`` dimension it gives
 the ranks along it the same batch (its own context parallelism's rule: ``rank // cp_size`` is the
 data-parallel index). :func:`share_batches` gives one Accelerator's data loaders such a mesh,
@@ -25,17 +26,17 @@ from ..sync.generation import first_ranks_output, first_ranks_random_state
 
 def share_batches(accelerator, size: int, what: str) -> None:
     """Make ``accelerator``'s data loaders (those prepared from now on) give every ``size`` consecutive
-    ranks one batch; refused by name where this accelerate cannot be told."""
+    ranks (the plan's ``tp_size x cp_size``) one batch; refused by name where this accelerate cannot be told."""
     if size == 1 or getattr(accelerator, "hp_rewrite_batch_share", 1) == size:
         return
     world = accelerator.num_processes
     if world % size:
-        raise ExpertParallelError(f"{what}: {world} processes are not a multiple of the plan's cp_size {size}")
+        raise ExpertParallelError(f"{what}: {world} processes are not a multiple of the plan's tp_size x cp_size {size}")
     if not callable(getattr(accelerator, "_prepare_device_mesh", None)):
         raise ExpertParallelError(
-            f"{what}: this accelerate version has no device mesh for its data loaders, so the ranks of a context "
-            "group would get different batches; use accelerate >= 1.10, or train in a loop whose sampler takes "
-            "num_replicas=world_size // cp_size, rank=rank // cp_size")
+            f"{what}: this accelerate version has no device mesh for its data loaders, so the ranks of a context or "
+            "TP group would get different batches; use accelerate >= 1.10, or train in a loop whose sampler takes "
+            f"num_replicas=world_size // {size}, rank=rank // {size}")
     # a ParallelismConfig of data-parallel dimensions only (tp / cp / sp are refused before) keeps its mesh
     # for FSDP2's sharding: the data loaders alone take this one
     mesh = init_device_mesh(accelerator.device.type, (world // size, size), mesh_dim_names=("dp_replicate", "cp"))
@@ -44,9 +45,9 @@ def share_batches(accelerator, size: int, what: str) -> None:
 
 
 def share_engine_generations(trainer, group) -> None:
-    """TRL's vLLM generation (``use_vllm``, colocated or server) on a context-parallel model: each rank's
+    """TRL's vLLM generation (``use_vllm``, colocated or server) on a context-parallel (or TP) model: each rank's
     engine samples its own completions of the group's one batch of prompts (and a server hands each rank
-    its slice of completions sampled for every rank's copy), so each rank returns the context ``group``'s
+    its slice of completions sampled for every rank's copy), so each rank returns the context (or TP) ``group``'s
     first rank's completions and takes its random state, as ``generate`` does (:mod:`hp_rewrite.sync.generation`)."""
     generation = getattr(trainer, "vllm_generation", None)
     if generation is None or getattr(generation, "hp_rewrite_context", False):

@@ -19,7 +19,7 @@ def sync_gradients(model: nn.Module) -> None:
     _refuse_on_fsdp(info, "sync_gradients")
     if info.engine is not None:
         info.engine.refuse_manual_sync("sync_gradients")
-    gradients.reduce_gradients(rewritten_model(model), info.ep, _bucket_bytes(info))
+    gradients.reduce_gradients(rewritten_model(model), info.ep, bucket_bytes(info))
     if info.engine is not None:
         info.engine.mark_reduced()  # a later backward adds to final values (see EngineGuard._unreduce)
 
@@ -70,10 +70,10 @@ def gradient_sync(model: nn.Module) -> gradients.GradientSync:
     ``backward()``."""
     info = info_of(model, "gradient_sync")
     _refuse_on_fsdp(info, "gradient_sync")
-    return gradients.GradientSync(rewritten_model(model), info.ep, _bucket_bytes(info), guard=info.engine)
+    return gradients.GradientSync(rewritten_model(model), info.ep, bucket_bytes(info), guard=info.engine)
 
 
-def _bucket_bytes(info) -> int:
+def bucket_bytes(info) -> int:
     """The plan's ``runtime.grad_bucket_mb`` in bytes."""
     return max(1, int(info.plan.runtime.grad_bucket_mb * 2**20))
 

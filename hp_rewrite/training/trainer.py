@@ -21,7 +21,9 @@ only trainable parameters, DDP (which would have nothing to manage) is left out 
 reduces their gradients at each synchronising step.
 
 With ``fsdp_config`` version 2 the Trainer is prepared for FSDP2 instead (:mod:`.trainer_fsdp`). With the
-plan's ``cp_size`` its data loaders give each context group one batch (:mod:`.batches`).
+plan's ``cp_size`` or ``tp_size`` its data loaders give each context or TP group one batch (:mod:`.batches`);
+a model split over TP groups trains without DDP, its gradients reduced by the engine guard
+(:func:`.accelerator.train_split_without_ddp`).
 DeepSpeed and FSDP1 are refused: they would shard the rank-local experts as if they were one tensor.
 """
 
@@ -39,7 +41,7 @@ from ..loading.record import record_of, rewritten_model
 from ..loading.save import save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
-from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported
+from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported, train_split_without_ddp
 from .batches import share_batches, share_engine_generations
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
 from .rewritten import peft_model_of
@@ -132,13 +134,13 @@ def _join_adapter_saves(trainer) -> None:
     trainer.save_model = save_model_on_every_rank
 
 
-def _count_context_groups_once(trainer, cp_size: int) -> None:
+def _count_groups_once(trainer, size: int) -> None:
     """Trainer's total batch size (its logs, samples per second) counts every rank as data-parallel; a
-    context group holds one batch."""
+    context or TP group of ``size`` ranks holds one batch."""
     if getattr(trainer, "hp_rewrite_cp_counted", False):
         return
     total = trainer.get_total_train_batch_size
-    trainer.get_total_train_batch_size = lambda args: total(args) // cp_size
+    trainer.get_total_train_batch_size = lambda args: total(args) // size
     trainer.hp_rewrite_cp_counted = True
 
 
@@ -153,21 +155,17 @@ def prepare_trainer(trainer):
             "prepare_trainer: the Trainer's model was not rewritten by hp-rewrite; load it with "
             "hp_rewrite.auto_patch / hp_rewrite.from_pretrained"
         )
-    if record_of(model).ep.tp_size > 1:
-        raise ExpertParallelError(
-            f"prepare_trainer: a model split over TP groups (tp_size {record_of(model).ep.tp_size}) is not supported "
-            "through Trainer (its data-parallel wrapper and sampler would treat TP ranks as separate batches); train "
-            "it in a loop with hp_rewrite.sync_gradients or hp_rewrite.fully_shard, or use tp_size: 1"
-        )
     peft = peft_model_of(trainer.model, "prepare_trainer") is not None  # Trainer saves and resumes its adapter
     refuse_unsupported(trainer.accelerator, "prepare_trainer")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
     ep = record_of(model).ep
-    share_batches(trainer.accelerator, ep.cp_size, "prepare_trainer")  # one batch per context group
-    if ep.cp_size > 1:
-        share_engine_generations(trainer, ep.cp_group)  # and one set of vLLM completions
-        _count_context_groups_once(trainer, ep.cp_size)
+    share_batches(trainer.accelerator, ep.batch_ranks, "prepare_trainer")  # one batch per context or TP group
+    if ep.batch_ranks > 1:
+        share_engine_generations(trainer, ep.batch_group)  # and one set of vLLM completions
+        _count_groups_once(trainer, ep.batch_ranks)
+    if ep.tp_size > 1:  # DTensor slices: no DDP, the guard reduces them (FSDP2 refused there)
+        train_split_without_ddp(trainer.accelerator, model, "prepare_trainer")
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     install_weight_sync(trainer)  # TRL's vLLM paths send the checkpoint's names and full tensors
     install_rollout_replay(trainer)  # routing.replay_rollout: the training forwards replay vLLM's routes
@@ -184,7 +182,7 @@ def prepare_trainer(trainer):
         _join_adapter_saves(trainer)
     else:
         trainer.save_model = types.MethodType(_save_model, trainer)
-    if trainer.args.world_size > 1 and trains_rank_local_only(model, trainer.model):  # experts / their adapters only
+    if trainer.args.world_size > 1 and ep.tp_size == 1 and trains_rank_local_only(model, trainer.model):
         leave_out_ddp(trainer.accelerator, model)
     train = trainer.train
 

@@ -40,8 +40,9 @@ class ExpertParallelGroup:
     tp_size, tp_rank, tp_group, tp_mesh: the tensor-parallel group (plan ``tp_size``) and the dense
         parts' mesh (``("dp", "tp")``). The ranks of a TP group share one batch; each routes and
         dispatches only its share of the tokens (:mod:`.tokens`), so no token is routed twice.
-    cp_size, cp_rank, cp_group, cp_mesh: the context group (plan ``cp_size``) and its mesh (``("dp", "cp")``).
-        Its ranks share one batch and each holds its share of every sequence (:mod:`hp_rewrite.context`),
+    cp_size, cp_rank, cp_group, cp_mesh: the context group (plan ``cp_size``) and its mesh (``("dp", "cp")``;
+        with TP ``("dp", "cp", "tp")``: the context group strided over a block of ``cp x tp`` consecutive
+        ranks, ``shared_group``, that holds one batch). Its ranks share one batch and each holds its share of every sequence (:mod:`hp_rewrite.context`),
         whose gradients reach the rest of the model scaled by ``cp_size``: to the runtime and the gradient
         contract a context rank is one more data-parallel rank, and the EP groups span context ranks as
         they span data-parallel ones.
@@ -62,6 +63,7 @@ class ExpertParallelGroup:
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
     cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    shared_group: dist.ProcessGroup | None = None
 
     @property
     def dp_size(self) -> int:
@@ -69,6 +71,18 @@ class ExpertParallelGroup:
         Context ranks count as batches: their shares' gradients come scaled by ``cp_size``."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return world // self.tp_size
+
+    @property
+    def batch_ranks(self) -> int:
+        """How many consecutive ranks hold one batch: a TP group's times a context group's."""
+        return self.tp_size * self.cp_size
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup | None:
+        """The group of :attr:`batch_ranks` ranks holding one batch, or None when every rank holds its own."""
+        if self.shared_group is not None:
+            return self.shared_group
+        return self.cp_group if self.cp_size > 1 else self.tp_group if self.tp_size > 1 else None
 
     def __deepcopy__(self, memo) -> ExpertParallelGroup:
         """Process groups are shared, not copied: a deep copy of a rewritten model (a frozen reference
@@ -293,11 +307,24 @@ def build_expert_parallel_group(ep_size: int, timeout_s: float | None = None,
 
 
 def _with_context(ep: ExpertParallelGroup, cp_size: int, timeout_s: float | None) -> ExpertParallelGroup:
+    """The context group. With TP groups too, a block of ``cp_size x tp_size`` consecutive ranks holds one
+    batch: TP innermost (its groups stay consecutive), the context group strided by ``tp_size`` over the
+    block, and the block itself the group that generates as one."""
     if cp_size == 1:
         return ep
-    mesh = context_parallel_mesh(cp_size, timeout_s)
+    if ep.tp_size == 1:
+        mesh = context_parallel_mesh(cp_size, timeout_s)
+        cp = mesh[CP_DIM]
+        return replace(ep, cp_size=cp_size, cp_rank=cp.get_local_rank(), cp_group=cp.get_group(), cp_mesh=mesh)
+    block = cp_size * ep.tp_size
+    whole = _consecutive_mesh(("dp", "batch"), "cp_size x tp_size", block, timeout_s)
+    dims = ("dp", CP_DIM, TP_DIM)
+    shape = (dist.get_world_size() // block, cp_size, ep.tp_size)
+    mesh = init_device_mesh(mesh_device_type(), shape, mesh_dim_names=dims,
+                            backend_override=_group_options(timeout_s, dims, shape))
     cp = mesh[CP_DIM]
-    return replace(ep, cp_size=cp_size, cp_rank=cp.get_local_rank(), cp_group=cp.get_group(), cp_mesh=mesh)
+    return replace(ep, cp_size=cp_size, cp_rank=cp.get_local_rank(), cp_group=cp.get_group(), cp_mesh=mesh,
+                   shared_group=whole["batch"].get_group())
 
 
 # The groups built for each world (keyed by its default process group, so a destroyed and re-initialised
