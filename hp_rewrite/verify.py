@@ -133,8 +133,10 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
 
     t0 = time.perf_counter()
     out = _logits(model(input_ids=ids[mine]))
-    upstream = torch.randn((per_rank * batches, *out.shape[1:]), generator=gen)
-    (out * upstream[mine]).sum().backward()
+    # context.logits: local: this rank's positions of the logits (their backward carries the group's convention)
+    positions = info.context.shares(seq).mine if out.shape[1] != seq else (0, seq)
+    upstream = torch.randn((per_rank * batches, seq, *out.shape[2:]), generator=gen)
+    (out * upstream[mine][:, positions[0]:positions[1]]).sum().backward()
     timings["ep_step_s"] = time.perf_counter() - t0
     result = {"patched": patched, "timings": timings,
               "kernels": kernel_choices(model, plan.runtime.compute, out.device.type, out.dtype),
@@ -155,7 +157,7 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     ref_out = _logits(ref(input_ids=ids))
     (ref_out * upstream).sum().backward()
     timings["reference_step_s"] = time.perf_counter() - t0
-    logits_abs, logits_rel = _rel(out.detach(), ref_out.detach()[mine])
+    logits_abs, logits_rel = _rel(out.detach(), ref_out.detach()[mine][:, positions[0]:positions[1]])
     grads = gradient_errors(model, ref, ep, world)
     worst = max(grads, key=lambda n: grads[n][1]) if grads else ""
     result["verify"] = {

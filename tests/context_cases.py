@@ -44,6 +44,8 @@ def reference(case: dict, dtype: torch.dtype):
 
 def _plan(case: dict) -> str:
     text = f"version: 1\nep_size: {case['ep']}\ncp_size: {case['cp']}\ntp_size: {case.get('tp', 1)}\n"
+    if case.get("local"):  # the head on this rank's positions
+        text += "context:\n  logits: local\n"
     if case.get("balance"):  # every layer lends rows (threshold 1, any piece)
         text += "runtime:\n  balance: auto\n  balance_threshold: 1.0\n  balance_min_rows: 1\n"
     return text
@@ -84,6 +86,10 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
             # builds one (with use_cache off, as Trainer's checkpointing turns it; with its own cache it does not)
             return {"input_ids": ids[rows], "position_ids": positions[rows], "labels": labels[rows],
                     **({"use_cache": False} if case["packed"] == "no_cache" else {})}
+        if case.get("items"):  # a caller's count of the labelled tokens (Trainer's num_items_in_batch)
+            count = (labels[rows][:, 1:] != -100).sum()
+            return {"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows],
+                    "num_items_in_batch": count}
         return {"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]}
 
     # the unmodified model on each data-parallel batch (the load-balancing loss is per micro-batch, as
@@ -101,20 +107,45 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
 
         hp_rewrite.fully_shard(model)
     forward = torch.compile(model, backend=case["compile"]) if case.get("compile") else model
-    out = forward(**inputs(mine))
-    out.loss.backward()
     inner = model.module if case.get("engine") == "ddp" else model
+    if case.get("custom"):  # the caller's own loss from the local logits: this rank's part, not summed
+        out = forward(**{k: v for k, v in inputs(mine).items() if k != "labels"})
+        out.loss = _own_loss(out.logits, labels[mine], inner.hp_rewrite.context)
+    else:
+        out = forward(**inputs(mine))
+    out.loss.backward()
+    if case.get("custom"):  # its value summed over the group, for the comparison
+        out.loss = out.loss.detach().clone()
+        dist.all_reduce(out.loss, group=inner.hp_rewrite.context.group)
     if case.get("engine") not in ("ddp", "fsdp"):
         sync_gradients(inner)
     target = ref_out.logits.float()
+    if case.get("local"):  # this rank's positions of the reference's
+        target = target[:, inner.hp_rewrite.context.shares(target.shape[1]).mine[0]:][:, :out.logits.shape[1]]
     logits = ((out.logits.float() - target).abs().max() / target.abs().max()).item()
     loss = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
     grad, grad_name = worst_grad(inner, ref)
     moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
+    kept = None
+    if case.get("local"):  # logits_to_keep: the last position, which one rank holds: this forward runs whole
+        unlabelled = {k: v for k, v in inputs(mine).items() if k not in ("labels", "num_items_in_batch")}
+        with torch.no_grad():
+            last, want = forward(**unlabelled, logits_to_keep=1).logits, ref(**unlabelled, logits_to_keep=1).logits
+        kept = [list(last.shape), ((last - want).abs().max() / want.abs().max()).item()]
     dense_split = any("tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
                       for p in inner.parameters())  # tp_size: slices over a TP mesh
     return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name, "dense_split": dense_split,
-            "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None}
+            "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None, "kept": kept}
+
+
+def _own_loss(logits, labels, context) -> torch.Tensor:
+    """Cross-entropy of this rank's positions, labels shifted over the whole sequence, divided by the whole
+    sequence's count of labelled tokens (what a caller of ``context.logits: local`` writes)."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    start, end = context.shares(labels.shape[1]).mine
+    mine = shifted[:, start:end].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mine, ignore_index=-100,
+                                             reduction="sum") / (shifted != -100).sum()
 
 
 def _with_lora(model):

@@ -55,6 +55,14 @@ CASES += [
     # of 4 ranks; EP 2 inside a TP group's block, EP 4 over the block (2 key / value heads: 1 a TP rank,
     # repeated for Ulysses)
     dict(id="qwen3_moe-ep2-tp2-cp2", model_type="qwen3_moe", ep=2, tp=2, cp=2),
+    # context.logits: local: the head on this rank's positions, the loss the whole sequence's (labels shifted
+    # across the shares' boundaries); uneven shares; padding; a caller's num_items_in_batch; DDP
+    dict(id="qwen3_moe-ep2-cp2-local", model_type="qwen3_moe", ep=2, cp=2, local=True),
+    dict(id="mixtral-ep2-cp2-local-own-loss", model_type="mixtral", ep=2, cp=2, local=True, custom=True, aux=False),
+    dict(id="qwen3_moe-ep4-cp4-seq7-local-padding", model_type="qwen3_moe", ep=4, cp=4, seq=7, padding=True,
+         local=True),
+    dict(id="deepseek_v3-ep4-cp2-local-items-ddp", model_type="deepseek_v3", ep=4, cp=2, local=True, items=True,
+         engine="ddp"),
     dict(id="deepseek_v3-ep4-tp2-cp2-checkpointing", model_type="deepseek_v3", ep=4, tp=2, cp=2, checkpointing=True),
     dict(id="bf16-deepseek_v3-ep4-cp2", model_type="deepseek_v3", ep=4, cp=2, bf16=True),
 ]
@@ -97,7 +105,11 @@ def _check(results: list[dict], case: dict) -> None:
             assert got["layer_seq"] == seq, f"rank {rank} split a sequence shorter than the group: {got}"
         else:
             assert got["layer_seq"] < seq, f"rank {rank} ran its decoder layers on the whole sequence: {got}"
-        assert got["shape"][1] == seq, f"rank {rank}'s logits are not the whole sequence: {got}"
+        if case.get("local"):  # this rank's positions only; logits_to_keep ran whole
+            assert got["shape"][1] == got["layer_seq"] < seq, (rank, got)
+            assert got["kept"][0][1] == 1 and got["kept"][1] <= TOL, (rank, got)
+        else:
+            assert got["shape"][1] == seq, f"rank {rank}'s logits are not the whole sequence: {got}"
         assert got["dense_split"] == (case.get("tp", 1) > 1), f"rank {rank}: {got}"
         assert got["logits"] <= tol, f"rank {rank} (positions from {start}): {got}"
         assert got["loss"] <= tol, f"rank {rank}: {got}"

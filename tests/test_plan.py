@@ -377,6 +377,10 @@ def test_context_section() -> None:
     plan = parse_plan("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ulysses}\n")
     assert (plan.cp_size, plan.context.scheme) == (2, "ulysses")
     assert parse_plan("version: 1\nep_size: 2\ntp_size: 2\ncp_size: 2\n").tp_size == 2  # tp x cp composes
+    local = parse_plan("version: 1\nep_size: 2\ncp_size: 2\ncontext: {logits: local}\n")
+    assert local.context.logits == "local" and local.hash() != plan.hash()
+    assert "context.logits: local needs cp_size > 1" in error_of("version: 1\nep_size: 2\ncontext: {logits: local}\n")
+    assert "whole, local" in error_of("version: 1\nep_size: 2\ncp_size: 2\ncontext: {logits: some}\n")
     assert plan.hash() == parse_plan("version: 1\nep_size: 2\ncp_size: 2\n").hash()
     assert "choose one of: ulysses" in error_of("version: 1\nep_size: 2\ncp_size: 2\ncontext: {scheme: ring}\n")
     assert ">= 1" in error_of("version: 1\nep_size: 2\ncp_size: 0\n")

@@ -18,8 +18,12 @@ group share one sequence). Each rank reports:
   forward by part (the attention's are Ulysses' exchange, the MoE block's the expert exchange, the rest the
   gather of the last hidden state), and the whole step's (forward and backward).
 
+``--logits local`` runs the context-parallel steps with the plan's ``context.logits: local`` (the head on
+this rank's positions; cp 1 is the same either way); with a large ``--vocab`` the head's share shows.
+
     python tools/bench_context.py                        # 4 ranks, EP 4, cp 2 and 4, 4096 tokens
     python tools/bench_context.py --seq 1024 --iters 1   # quick
+    python tools/bench_context.py --vocab 32768 --logits local
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def worker(rank: int, world: int, payload: dict) -> dict:
     base = build_tiny_model(config(args), seed=0).train()
     out = {}
     for cp in (1, *args.cp):
-        plan = parse_plan(f"version: 1\nep_size: {args.ep}\ncp_size: {cp}\n")
+        local = f"context:\n  logits: {args.logits}\n" if cp > 1 else ""
+        plan = parse_plan(f"version: 1\nep_size: {args.ep}\ncp_size: {cp}\n{local}")
         model = rewrite_model(copy.deepcopy(base), plan, artifact_dir=Path(args.artifacts))
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(rank // cp))
 
@@ -132,7 +137,7 @@ def report(args, ranks) -> None:
     from rich.table import Table
 
     table = Table(title=f"context parallelism per rank, {args.nproc} ranks, EP={args.ep}, one sequence of "
-                        f"{args.seq} tokens per context group (ratios vs cp 1)")
+                        f"{args.seq} tokens per context group, {args.logits} logits (ratios vs cp 1)")
     for col in ("rank", "cp", *(f"{p} MB" for p in PARTS), "saved MB", "peak RSS MB", "wall s", "CPU s",
                 "attention fwd wire MB", "MoE fwd wire MB", "rest fwd wire MB", "step wire MB"):
         table.add_column(col, justify="right")
@@ -166,6 +171,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--logits", choices=["whole", "local"], default="whole")
     parser.add_argument("--artifacts", default="/tmp/hp-rewrite-bench-context")
     parser.add_argument("--json")
     args = parser.parse_args()

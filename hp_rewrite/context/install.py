@@ -10,7 +10,8 @@ The decoder (``model.get_decoder()``, the module holding ``layers``) is left as 
   shares, nothing a later call could continue from, so the output carries none.
 * the first layer takes this rank's share of the embeddings; every layer takes its share of the position
   embeddings;
-* after it, the last hidden state, any recorded hidden states and router logits are gathered whole.
+* after it, the last hidden state (unless the plan keeps the logits local, :mod:`.logits`), any recorded
+  hidden states and router logits are gathered whole.
 
 A forward given a cache (``generate`` passes one) is not split: every rank of the group runs the whole
 sequence, in lockstep with the expert exchange as without context parallelism. Nor is a sequence shorter
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..runtime.group.tokens import same_on_every_rank
 from .errors import ContextParallelError
+from .logits import install_local_logits
 from .shard import Shares, gather_sequence, gather_token_rows, share_sequence
 from .ulysses import SHARES_KW, use_ulysses
 
@@ -36,6 +38,11 @@ class ContextSplit:
         self.group, self.rank, self.size = group, rank, size
         self.decoder, self.attention = decoder, attention
         self.checked = False
+        self.want_local, self.local_shares = False, None  # context.logits: local (:mod:`.logits`)
+
+    def begin_forward(self, local: bool) -> None:
+        """Whether the model's forward now starting keeps its last hidden state (so its logits) local."""
+        self.want_local, self.local_shares = local, None
 
     def shares(self, length: int) -> Shares:
         return Shares(self.group, self.rank, self.size, length)
@@ -88,10 +95,12 @@ def _share_positions(value, shares: Shares):
     return value
 
 
-def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int = 1) -> ContextSplit:
+def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int = 1,
+                    local_logits: bool = False) -> ContextSplit:
     """Split ``model``'s sequences over the context ``group`` (module doc); refused, naming what is missing,
     for a model without transformers' decoder layout or attention interface, or heads ``size`` cannot split
-    (a TP group's ``tp_size`` ranks already hold ``heads / tp_size`` each)."""
+    (a TP group's ``tp_size`` ranks already hold ``heads / tp_size`` each). ``local_logits``: the plan's
+    ``context.logits: local`` (:mod:`.logits`)."""
     decoder, layers = _decoder(model)
     attention = [m for i, layer in enumerate(layers) for m in _attention_modules(layer, i)]
     heads = getattr(attention[0].config, "num_attention_heads", None)
@@ -138,7 +147,10 @@ def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int 
         if getattr(output, "past_key_values", None) is not None:
             output.past_key_values = None  # a cache the decoder made for itself: this rank's shares only
         batch = output.last_hidden_state.shape[0]
-        output.last_hidden_state = gather_sequence(output.last_hidden_state, shares)
+        if state.want_local:  # context.logits: local: the head and the loss on this rank's positions
+            state.local_shares = shares
+        else:
+            output.last_hidden_state = gather_sequence(output.last_hidden_state, shares)
         if getattr(output, "hidden_states", None) is not None:
             output.hidden_states = tuple(h if h.shape[1] == shares.length else gather_sequence(h, shares)
                                          for h in output.hidden_states)
@@ -151,6 +163,8 @@ def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int 
     for layer in layers[1:]:
         layer.register_forward_pre_hook(every_layer, with_kwargs=True)
     decoder.register_forward_hook(leave, with_kwargs=True)
+    if local_logits:
+        install_local_logits(model, state)
     return state
 
 

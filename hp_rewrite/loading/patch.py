@@ -196,7 +196,8 @@ def split_context(model: nn.Module, plan: Plan, ep: ExpertParallelGroup):
         raise ExpertParallelError(
             f"the plan's cp_size is {plan.cp_size} but the EP group's context group has {ep.cp_size} rank(s): "
             "build it with build_expert_parallel_group(ep_size, cp_size=...), or leave ep to hp-rewrite")
-    return install_context(model, ep.cp_group, ep.cp_rank, ep.cp_size, ep.tp_size)
+    return install_context(model, ep.cp_group, ep.cp_rank, ep.cp_size, ep.tp_size,
+                           local_logits=plan.context.logits == "local")
 
 
 def split_dense(model: nn.Module, plan: Plan, ep: ExpertParallelGroup, patched: list[str]):

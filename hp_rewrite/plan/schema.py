@@ -34,6 +34,7 @@ RouterDtype = Literal["auto", "fp32", "logits"]
 PlacementStrategy = Literal["contiguous", "balanced"]
 AuxLossKind = Literal["micro_batch", "global"]
 ContextScheme = Literal["ulysses"]
+ContextLogits = Literal["whole", "local"]
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,14 @@ class ContextSection(_Section):
     ``scheme``: ``ulysses`` (DeepSpeed-Ulysses): every layer but attention holds this rank's share of the
     sequence; attention exchanges heads for sequence with two all-to-alls, runs over the whole sequence with
     ``heads / cp_size`` heads, and exchanges back. The only scheme so far (ring attention may follow).
+
+    ``logits``: ``whole`` (transformers' output: the decoder's output is gathered, every rank computes the
+    head over the whole sequence) or ``local`` (the head runs on this rank's positions and returns their
+    logits only; the loss is still the whole sequence's, summed over the group).
     """
 
     scheme: ContextScheme = "ulysses"
+    logits: ContextLogits = "whole"
 
 
 class OutputSection(_Section):
@@ -306,6 +312,8 @@ class Plan(_Section):
     def _context_composes(self) -> None:
         """What context parallelism does not compose with yet, refused by field."""
         if self.cp_size == 1:
+            if self.context.logits != "whole":
+                raise ValueError("context.logits: local needs cp_size > 1 (the logits of a context rank's share)")
             return
         refused = [("sequence_parallel: true", self.sequence_parallel, "sequence_parallel: false"),
                    ("runtime.capacity_factor", self.runtime.capacity_factor is not None,
