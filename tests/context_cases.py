@@ -69,8 +69,15 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     model = rewrite_model(copy.deepcopy(ref), parse_plan(_plan(case)), artifact_dir=Path(out_dir))
     if case.get("generate"):
         return _generate(rank, case, ref, model)
-    if case.get("lora"):  # LoRA on attention (drawn non-zero, so every factor gets a gradient), the base frozen
-        ref, model = _with_lora(ref), _with_lora(model)
+    slicers = {}
+    if case.get("lora"):  # LoRA (drawn non-zero, so every factor gets a gradient), the base frozen
+        ref, model = _with_lora(ref, case["lora"]), _with_lora(model, case["lora"])
+        if case["lora"] == "experts":  # each rank's experts' adapters: its rows of the reference's
+            from tests.peft_cases import copy_local_adapters, expert_slicers
+
+            slicers = expert_slicers(model, ref)
+            with torch.no_grad():
+                copy_local_adapters(model, ref, slicers)
     cp = case["cp"] * case.get("tp", 1)  # the ranks holding one batch: a block of tp x cp with TP
     dp = world // cp
     ids, mask = _batch(case, ref.config.get_text_config().vocab_size, dp)
@@ -124,7 +131,7 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
         target = target[:, inner.hp_rewrite.context.shares(target.shape[1]).mine[0]:][:, :out.logits.shape[1]]
     logits = ((out.logits.float() - target).abs().max() / target.abs().max()).item()
     loss = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
-    grad, grad_name = worst_grad(inner, ref)
+    grad, grad_name = worst_grad(inner, ref, slicers)
     moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
     kept = None
     if case.get("local"):  # logits_to_keep: the last position, which one rank holds: this forward runs whole
@@ -148,12 +155,14 @@ def _own_loss(logits, labels, context) -> torch.Tensor:
                                              reduction="sum") / (shifted != -100).sum()
 
 
-def _with_lora(model):
+def _with_lora(model, where):
+    """LoRA on attention (``True``) or on attention and the fused experts (``"experts"``)."""
     from peft import LoraConfig, get_peft_model
 
+    targets = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if where == "experts" else {}
     torch.manual_seed(11)  # the same factors for the reference and the context-parallel model
     return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "o_proj"],
-                                            init_lora_weights=False))
+                                            init_lora_weights=False, **targets))
 
 
 def _generate(rank: int, case: dict, ref, model) -> dict:
@@ -171,7 +180,7 @@ def _generate(rank: int, case: dict, ref, model) -> dict:
             "sampled": sampled.tolist()}
 
 
-def worst_grad(model, ref) -> tuple[float, str]:
+def worst_grad(model, ref, slicers: dict | None = None) -> tuple[float, str]:
     """The largest gradient error of any parameter, relative to that parameter's largest gradient (a parameter
     the unmodified model gives no gradient must get none, or zeros)."""
     weights = expert_weights(model)
@@ -183,6 +192,8 @@ def worst_grad(model, ref) -> tuple[float, str]:
             target = torch.zeros_like(ref_params[name])
         if name in weights:  # this rank's experts' rows of the reference
             target = local_rows(*weights[name], target)
+        elif slicers and name in slicers:  # this rank's experts' adapters
+            target = slicers[name](target)
         value = p.grad if p.grad is not None else torch.zeros_like(target)
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         err = ((value.float() - target.float()).abs().max() / max(target.abs().max().item(), 1e-12)).item()

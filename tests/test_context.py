@@ -50,6 +50,7 @@ CASES += [
     dict(id="qwen3_moe-ep4-cp2-balanced", model_type="qwen3_moe", ep=4, cp=2, balance=True),
     # LoRA on attention (PEFT, base frozen)
     dict(id="qwen3_moe-ep2-cp2-lora", model_type="qwen3_moe", ep=2, cp=2, lora=True),
+    dict(id="qwen3_moe-ep4-cp2-lora-experts", model_type="qwen3_moe", ep=4, cp=2, lora="experts"),
     dict(id="bf16-qwen3_moe-ep2-cp2", model_type="qwen3_moe", ep=2, cp=2, bf16=True),
     # with TP groups of 2 (the dense parts split over them, Ulysses over their heads / 2): one batch a block
     # of 4 ranks; EP 2 inside a TP group's block, EP 4 over the block (2 key / value heads: 1 a TP rank,
