@@ -133,8 +133,16 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     loss = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
     grad, grad_name = worst_grad(inner, ref, slicers)
     moved = sum(getattr(s, "lent", 0) for s in _dispatch_stats(inner))
+    twin = None
+    if case.get("deepcopy"):  # a deep copy (a reference or EMA model) splits and scores with its own state
+        copied = copy.deepcopy(inner)
+        with torch.no_grad():
+            got = copied(**inputs(mine))
+        twin = [list(got.logits.shape), abs(got.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
+                copied.hp_rewrite.context is not inner.hp_rewrite.context]
     kept = None
-    if case.get("local"):  # logits_to_keep: the last position, which one rank holds: this forward runs whole
+    if case.get("local") and not case.get("compile"):  # logits_to_keep: the last position, which one rank holds:
+        # this forward runs whole (not compiled again: the eager cases check it)
         unlabelled = {k: v for k, v in inputs(mine).items() if k not in ("labels", "num_items_in_batch")}
         with torch.no_grad():
             last, want = forward(**unlabelled, logits_to_keep=1).logits, ref(**unlabelled, logits_to_keep=1).logits
@@ -142,7 +150,8 @@ def run_case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     dense_split = any("tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
                       for p in inner.parameters())  # tp_size: slices over a TP mesh
     return {"logits": logits, "loss": loss, "grad": grad, "grad_name": grad_name, "dense_split": dense_split,
-            "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None, "kept": kept}
+            "shape": list(out.logits.shape), "moved": moved, "layer_seq": seen[0] if seen else None, "kept": kept,
+            "twin": twin}
 
 
 def _own_loss(logits, labels, context) -> torch.Tensor:

@@ -59,7 +59,7 @@ CASES += [
     dict(id="qwen3_moe-ep2-tp2-cp2", model_type="qwen3_moe", ep=2, tp=2, cp=2),
     # context.logits: local: the head on this rank's positions, the loss the whole sequence's (labels shifted
     # across the shares' boundaries); uneven shares; padding; a caller's num_items_in_batch; DDP
-    dict(id="qwen3_moe-ep2-cp2-local", model_type="qwen3_moe", ep=2, cp=2, local=True),
+    dict(id="qwen3_moe-ep2-cp2-local", model_type="qwen3_moe", ep=2, cp=2, local=True, deepcopy=True),
     dict(id="mixtral-ep2-cp2-local-own-loss", model_type="mixtral", ep=2, cp=2, local=True, custom=True, aux=False),
     dict(id="qwen3_moe-ep4-cp4-seq7-local-padding", model_type="qwen3_moe", ep=4, cp=4, seq=7, padding=True,
          local=True),
@@ -82,6 +82,8 @@ TWO.append(dict(id="deepseek_v3-ep1-cp2", model_type="deepseek_v3", ep=1, cp=2))
 # torch.compile over the whole model (aot_eager: the graph inductor would get, breaks included, without
 # its compile time), in the world of 2 where each rank has a core to trace on
 TWO.append(dict(id="qwen3_moe-ep2-cp2-compile", model_type="qwen3_moe", ep=2, cp=2, compile="aot_eager"))
+TWO.append(dict(id="qwen3_moe-ep2-cp2-compile-local", model_type="qwen3_moe", ep=2, cp=2, compile="aot_eager",
+                local=True))
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +111,11 @@ def _check(results: list[dict], case: dict) -> None:
             assert got["layer_seq"] < seq, f"rank {rank} ran its decoder layers on the whole sequence: {got}"
         if case.get("local"):  # this rank's positions only; logits_to_keep ran whole
             assert got["shape"][1] == got["layer_seq"] < seq, (rank, got)
-            assert got["kept"][0][1] == 1 and got["kept"][1] <= TOL, (rank, got)
+            assert case.get("compile") or (got["kept"][0][1] == 1 and got["kept"][1] <= TOL), (rank, got)
         else:
             assert got["shape"][1] == seq, f"rank {rank}'s logits are not the whole sequence: {got}"
+        if case.get("deepcopy"):  # the copy's own state: local logits, the whole sequence's loss
+            assert got["twin"][0] == got["shape"] and got["twin"][1] <= tol and got["twin"][2], (rank, got)
         assert got["dense_split"] == (case.get("tp", 1) > 1), f"rank {rank}: {got}"
         assert got["logits"] <= tol, f"rank {rank} (positions from {start}): {got}"
         assert got["loss"] <= tol, f"rank {rank}: {got}"

@@ -21,6 +21,8 @@ take); a longer one that the group does not divide is split unevenly, ``torch.te
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -39,6 +41,16 @@ class ContextSplit:
         self.decoder, self.attention = decoder, attention
         self.checked = False
         self.want_local, self.local_shares = False, None  # context.logits: local (:mod:`.logits`)
+
+    def __deepcopy__(self, memo) -> ContextSplit:
+        """A deep copy of the model (a reference model, an EMA copy) gets its own state over the same group
+        (process groups are shared, not copied), pointing at the copy's modules."""
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin.decoder = copy.deepcopy(self.decoder, memo)
+        twin.attention = copy.deepcopy(self.attention, memo)
+        twin.want_local, twin.local_shares = False, None
+        return twin
 
     def begin_forward(self, local: bool) -> None:
         """Whether the model's forward now starting keeps its last hidden state (so its logits) local."""
@@ -112,8 +124,10 @@ def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int 
             f"{share} of them): choose sizes that divide it")
     use_ulysses(attention)
     state = ContextSplit(group, rank, size, decoder, attention)
+    decoder.hp_context_split = state  # the hooks read it from the module: a deep copy's hooks find the copy's
 
     def enter(module, args, kwargs):
+        state = module.hp_context_split
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return None  # generate's (or a decoding loop's) forward: the whole sequence on every rank
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -144,11 +158,12 @@ def install_context(model: nn.Module, group, rank: int, size: int, tp_size: int 
         shares = kwargs.get(SHARES_KW)
         if shares is None:
             return None
+        state = module.hp_context_split
         if getattr(output, "past_key_values", None) is not None:
             output.past_key_values = None  # a cache the decoder made for itself: this rank's shares only
         batch = output.last_hidden_state.shape[0]
         if state.want_local:  # context.logits: local: the head and the loss on this rank's positions
-            state.local_shares = shares
+            state.want_local, state.local_shares = False, shares  # this forward's (a direct decoder call: whole)
         else:
             output.last_hidden_state = gather_sequence(output.last_hidden_state, shares)
         if getattr(output, "hidden_states", None) is not None:

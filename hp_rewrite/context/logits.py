@@ -12,8 +12,10 @@ model's own ``loss_function`` against the whole sequence's count of labelled tok
 when the caller passes one, as Trainer does), and the parts are summed over the context group. The sum's
 backward is a sum too, so every rank's share of the gradient arrives ``cp_size`` times: the convention the
 gathered path keeps (:mod:`.shard`). The returned logits carry the same factor in their backward, so a loss
-the caller computes from them (summed over positions, divided by the whole sequence's count, its parts
-summed over the group) gets the same gradients.
+the caller computes from them gets the same gradients when each rank backpropagates only its own part:
+summed over this rank's positions (labels shifted over the whole sequence), divided by the whole sequence's
+count; sum the parts' values over the group without autograd to log the loss (a differentiable sum would
+apply the factor twice).
 
 A forward that asks for something the local logits cannot give runs whole, as without the knob:
 ``logits_to_keep`` (the last positions, which one rank holds) and TRL's fused head (``fused_lm_head``,
@@ -23,9 +25,9 @@ which never builds the logits anyway).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
-from torch.distributed.nn.functional import all_reduce
 
 from .errors import ContextParallelError
 
@@ -37,7 +39,7 @@ class LocalLoss:
     :class:`~.install.ContextSplit`, whose ``local_shares`` the decoder's hook sets for a forward kept local."""
 
     def __init__(self, inner, state) -> None:
-        self.inner, self.state = inner, state
+        self.inner, self.state = inner, state  # a deep copy of the model copies both (ContextSplit.__deepcopy__)
 
     def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
                  shift_labels=None, **kwargs):
@@ -51,7 +53,30 @@ class LocalLoss:
         count = (shift_labels != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
         part = self.inner(logits, labels, vocab_size, num_items_in_batch=count, ignore_index=ignore_index,
                           shift_labels=shift_labels[..., start:end].contiguous(), **kwargs)
-        return all_reduce(part, group=shares.group)
+        return _summed_over_group(part, shares.group)
+
+
+class _SumOverGroup(Function):
+    """All-reduce (sum) forward; the gradient's sum over the group backward (each rank's gradient of the
+    summed loss reaches every rank's part)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@torch.compiler.disable  # a collective on a scalar: outside the compiled graph
+def _summed_over_group(part: torch.Tensor, group) -> torch.Tensor:
+    return _SumOverGroup.apply(part, group)
 
 
 class _ScaledBackward(Function):
@@ -79,25 +104,32 @@ def install_local_logits(model: nn.Module, state) -> None:
             f"({getattr(inner, '__name__', inner)!r}), so its labels cannot be shifted over the whole sequence "
             "before the split; set context.logits: whole")
     model.loss_function = LocalLoss(inner, state)
+    model.register_forward_pre_hook(_note_request, with_kwargs=True)
+    model.register_forward_hook(_done, with_kwargs=True, always_call=True)  # a forward that raised too
 
-    def note_request(module, args, kwargs):
-        keep = kwargs.get("logits_to_keep", 0)
-        whole = kwargs.get("fused_lm_head", False) or not (isinstance(keep, int) and keep == 0)
-        state.begin_forward(local=not whole)
 
-    def done(module, args, kwargs, output):
-        shares = state.local_shares
-        state.begin_forward(local=False)
-        if shares is None:
-            return None
-        if not hasattr(output, "logits"):
-            raise ContextParallelError(
-                f"context.logits: local: {type(model).__name__} returned a {type(output).__name__}, not an output "
-                "with logits (return_dict=False?); call it with return_dict=True, or set context.logits: whole")
-        if isinstance(output.logits, torch.Tensor) and output.logits.requires_grad:
-            output.logits = _ScaledBackward.apply(output.logits, shares.size)
-        return output
+def _state(model: nn.Module):
+    """The split state of this model (of a deep copy: its own), held by its loss function."""
+    return model.loss_function.state
 
-    model.register_forward_pre_hook(note_request, with_kwargs=True)
-    model.register_forward_hook(done, with_kwargs=True)
+
+def _note_request(module, args, kwargs):
+    keep = kwargs.get("logits_to_keep", 0)
+    whole = kwargs.get("fused_lm_head", False) or not (isinstance(keep, int) and keep == 0)
+    _state(module).begin_forward(local=not whole)
+
+
+def _done(module, args, kwargs, output):
+    state = _state(module)
+    shares = state.local_shares
+    state.begin_forward(local=False)
+    if shares is None or output is None:  # ran whole, or raised
+        return None
+    if not hasattr(output, "logits"):
+        raise ContextParallelError(
+            f"context.logits: local: {type(module).__name__} returned a {type(output).__name__}, not an output "
+            "with logits (return_dict=False?); call it with return_dict=True, or set context.logits: whole")
+    if isinstance(output.logits, torch.Tensor) and output.logits.requires_grad:
+        output.logits = _ScaledBackward.apply(output.logits, shares.size)
+    return output
 

@@ -190,7 +190,8 @@ class EngineGuard:
                 self._check_ddp(ddp, module)
             self._checked[ddp] = wraps
         if ddp is None or not self._checked[ddp]:
-            # an engine that leaves DDP out (every trainable parameter rank-local): it synchronises here
+            # an engine that leaves DDP out (every trainable parameter rank-local, or a model split over TP
+            # groups): the guard synchronises here
             self.under_ddp = self._engine_sync is not None
             self.ddp_sync = self.under_ddp and torch.is_grad_enabled() and self._engine_sync()
             return
@@ -245,7 +246,8 @@ class EngineGuard:
             raise ExpertParallelError(
                 f"DistributedDataParallel around a model split over TP groups (tp_size {self.ep.tp_size}) would "
                 "average different TP shards over the world: train it with hp_rewrite.sync_gradients(model) after "
-                "backward, or shard it with hp_rewrite.fully_shard(model) (data parallel x tp)"
+                "backward, shard it with hp_rewrite.fully_shard(model) (data parallel x tp), or let "
+                "hp_rewrite.prepare_trainer / prepare_accelerator prepare the engine (they leave DDP out)"
             )
         if dist.get_world_size(ddp.process_group) != world:
             raise ExpertParallelError(
@@ -303,8 +305,9 @@ class EngineGuard:
                     p.grad.mul_(factor)
 
     def _finish(self, task: int, sync: bool) -> None:
-        """End of a backward; when DDP synchronises it, the rank-local gradients are summed over the
-        replicas and divided by the world size."""
+        """End of a backward; when DDP (or an engine without it) synchronises it, the rank-local gradients
+        are summed over the replicas and divided by the data-parallel size (the world size without TP); an
+        engine without DDP around a TP model reduces every gradient (:meth:`sync_without_ddp`)."""
         self._tasks.discard(task)
         if not sync:
             return

@@ -241,17 +241,23 @@ def load_adapter_state(peft, optimizer, folder: Path) -> None:
         load_optimizer(optimizer, peft, _optimizer_file(folder), "load_state")
 
 
+def refuse_split_under_fsdp(accelerator, model, what: str) -> None:
+    """The engine's FSDP2 around a model split over TP groups: not supported yet (checked before anything
+    is changed on the engine)."""
+    if record_of(model).ep.tp_size > 1 and (getattr(accelerator, "is_fsdp2", False) or _kind(accelerator) == "FSDP"):
+        raise ExpertParallelError(
+            f"{what}: FSDP2 through the engine around a model split over TP groups (tp_size "
+            f"{record_of(model).ep.tp_size}) is not supported yet; use the engine's DDP (no fsdp config: the "
+            "TP slices are reduced over the data-parallel ranks), or shard it in a loop with hp_rewrite.fully_shard")
+
+
 def train_split_without_ddp(accelerator, model, what: str) -> None:
     """A model split over TP groups (``tp_size > 1``): its dense weights are DTensor slices, which DDP
     cannot average (and a world mean would mix slices). accelerate prepares it without DDP and the engine
     guard reduces every gradient at each synchronising step as ``hp_rewrite.sync_gradients`` does (slices
     over the data-parallel ranks holding them); ``clip_grad_norm_`` counts each slice once. FSDP2 is
-    refused: train it in a loop with ``hp_rewrite.fully_shard``."""
-    if getattr(accelerator, "is_fsdp2", False) or _kind(accelerator) == "FSDP":
-        raise ExpertParallelError(
-            f"{what}: FSDP2 through the engine around a model split over TP groups (tp_size "
-            f"{record_of(model).ep.tp_size}) is not supported yet; use the engine's DDP (no fsdp config: the "
-            "TP slices are reduced over the data-parallel ranks), or shard it in a loop with hp_rewrite.fully_shard")
+    refused (:func:`refuse_split_under_fsdp`): train it in a loop with ``hp_rewrite.fully_shard``."""
+    refuse_split_under_fsdp(accelerator, model, what)
     leave_out_ddp(accelerator, model, everything=True)
 
     def clip_each_slice_once(parameters, max_norm, norm_type=2):
@@ -262,11 +268,15 @@ def train_split_without_ddp(accelerator, model, what: str) -> None:
 
 
 def leave_out_ddp(accelerator, model, everything: bool = False) -> None:
-    """Every trainable parameter of ``model`` is rank-local (adapters on the experts only): DDP would
-    have nothing to manage and refuses to be built, so accelerate prepares it without DDP (its
-    ``evaluation_mode``: device placement, mixed precision and compile, no DDP), and the engine guard
-    reduces the rank-local gradients (``everything``: all of them) at every synchronising step
-    (accelerate's ``sync_gradients``), as under DDP."""
+    """accelerate prepares ``model`` without DDP (its ``evaluation_mode``: device placement, mixed precision
+    and compile, no DDP), and the engine guard reduces its gradients at every synchronising step
+    (accelerate's ``sync_gradients``), as under DDP: the rank-local ones when every trainable parameter is
+    rank-local (adapters on the experts only: DDP would have nothing to manage and refuses to be built),
+    all of them with ``everything`` (:func:`train_split_without_ddp`)."""
+    guard = record_of(model).engine
+    if guard is None:
+        raise ExpertParallelError(f"{type(model).__name__} has no hp-rewrite engine guard (no rewritten MoE block) "
+                                  "to reduce its gradients without DDP; load it with hp_rewrite.from_pretrained")
     prepare_model = accelerator.prepare_model
 
     def prepare_model_without_ddp(m, device_placement=None, evaluation_mode=False):
@@ -274,8 +284,7 @@ def leave_out_ddp(accelerator, model, everything: bool = False) -> None:
         return prepare_model(m, device_placement=device_placement, evaluation_mode=evaluation_mode or mine)
 
     accelerator.prepare_model = prepare_model_without_ddp
-    record_of(model).engine.sync_without_ddp(lambda: accelerator.sync_gradients, everything,
-                                             bucket_bytes(record_of(model)))
+    guard.sync_without_ddp(lambda: accelerator.sync_gradients, everything, bucket_bytes(record_of(model)))
 
 
 def prepare_accelerator(accelerator):
@@ -290,6 +299,8 @@ def prepare_accelerator(accelerator):
                                              accelerator.save_state, accelerator.load_state)
 
     def prepare_ep(*args, device_placement=None):
+        for model in (a for a in args if _is_ep_model(a)):
+            refuse_split_under_fsdp(accelerator, rewritten_model(model), "prepare_accelerator")
         for model in (a for a in args if _is_ep_model(a)):  # one batch per context or TP group
             share_batches(accelerator, record_of(model).ep.batch_ranks, "prepare_accelerator")
             if record_of(model).ep.tp_size > 1:

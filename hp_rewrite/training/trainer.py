@@ -41,7 +41,13 @@ from ..loading.record import record_of, rewritten_model
 from ..loading.save import save_pretrained
 from ..runtime.errors import ExpertParallelError
 from ..sync.gradients import rank_local_parameters, trains_rank_local_only
-from .accelerator import deepspeed_refusal, leave_out_ddp, refuse_unsupported, train_split_without_ddp
+from .accelerator import (
+    deepspeed_refusal,
+    leave_out_ddp,
+    refuse_split_under_fsdp,
+    refuse_unsupported,
+    train_split_without_ddp,
+)
 from .batches import share_batches, share_engine_generations
 from .rank_state import expert_layout, rank_and_world, read_rank_file, write_atomically
 from .rewritten import peft_model_of
@@ -160,12 +166,14 @@ def prepare_trainer(trainer):
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise deepspeed_refusal("prepare_trainer")
     ep = record_of(model).ep
+    refuse_split_under_fsdp(trainer.accelerator, model, "prepare_trainer")
     share_batches(trainer.accelerator, ep.batch_ranks, "prepare_trainer")  # one batch per context or TP group
     if ep.batch_ranks > 1:
         share_engine_generations(trainer, ep.batch_group)  # and one set of vLLM completions
         _count_groups_once(trainer, ep.batch_ranks)
-    if ep.tp_size > 1:  # DTensor slices: no DDP, the guard reduces them (FSDP2 refused there)
+    if ep.tp_size > 1:  # DTensor slices: no DDP, the guard reduces them
         train_split_without_ddp(trainer.accelerator, model, "prepare_trainer")
+        trainer._mixed_mesh_grads = False  # its clip through the accelerator's (each slice once), not its own
     prepare_trainer_routing(trainer)  # every engine below: counts reduced each step, logged as moe/...
     install_weight_sync(trainer)  # TRL's vLLM paths send the checkpoint's names and full tensors
     install_rollout_replay(trainer)  # routing.replay_rollout: the training forwards replay vLLM's routes
