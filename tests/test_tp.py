@@ -97,7 +97,8 @@ def test_refusals_name_the_reason(world) -> None:
     for results in world:
         assert "num_key_value_heads=2" in results["kv-heads"] and "tp_size 4" in results["kv-heads"]
         assert "sequence length 7" in results["odd-sequence"] and "sequence_parallel" in results["odd-sequence"]
-        # engines that would treat the ranks of a TP group as separate batches or average TP shards
+        # engines that would treat the ranks of a TP group as separate batches or average TP shards; a Trainer
+        # that does not see the world (built without torchrun's environment) cannot give each TP group one batch
         assert "DistributedDataParallel" in results["ddp"] and "sync_gradients" in results["ddp"]
         assert "prepare_trainer" in results["trainer"] and "tp_size" in results["trainer"]
         # a sampler over the world (each rank its own batch) would train on a mix: caught at the first forward

@@ -18,6 +18,7 @@ back by the world size, which cancels the same way.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..runtime.errors import ExpertParallelError
@@ -30,6 +31,11 @@ def share_batches(accelerator, size: int, what: str) -> None:
     if size == 1 or getattr(accelerator, "hp_rewrite_batch_share", 1) == size:
         return
     world = accelerator.num_processes
+    if dist.is_available() and dist.is_initialized() and world != dist.get_world_size():
+        raise ExpertParallelError(
+            f"{what}: the engine runs {world} process(es) but torch.distributed has {dist.get_world_size()} ranks, so "
+            f"it cannot give each group of the plan's tp_size x cp_size ({size}) ranks one batch; launch with torchrun "
+            "(accelerate reads the world from its environment)")
     if world % size:
         raise ExpertParallelError(f"{what}: {world} processes are not a multiple of the plan's tp_size x cp_size {size}")
     if not callable(getattr(accelerator, "_prepare_device_mesh", None)):
