@@ -23,6 +23,13 @@ from hp_rewrite.tiny import build_tiny_model, tiny_config
 from tests.training_cases import _lm_loss, _worst, count_routing
 
 
+def lent_or_guests(model) -> int:
+    """Experts this rank lent to or computed for others in the last forward, over every layer
+    (runtime.balance: 0 when no row moved)."""
+    stats = [installed.last_stats(h) for _, h in installed.holders(model)]
+    return sum(st.guests + st.lent for st in stats if st is not None)
+
+
 def _optimizer(name: str, params, lr: float):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import hp_rewrite  # noqa: E402
 from hp_rewrite.runtime import installed  # noqa: E402
 from hp_rewrite.sync.gradients import expert_parameters  # noqa: E402
+from tests.engine_cases import lent_or_guests  # noqa: E402
 from tests.training_cases import count_routing, z_loss_by_hand  # noqa: E402
 
 PER_DEVICE, SEQ = 2, 8
@@ -639,7 +640,9 @@ def case_grpo_replay(model_dir, out):
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     plan = out / "replay-plan.yaml"
-    plan.write_text("version: 1\nep_size: 2\narchetype: auto\nrouting:\n  replay_rollout: true\n")
+    # runtime.balance forced on (any imbalance, any piece moves): the replayed choice is balanced as it is
+    plan.write_text("version: 1\nep_size: 2\narchetype: auto\nrouting:\n  replay_rollout: true\n"
+                    "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n")
     gen = torch.Generator().manual_seed(dist.get_rank())
     data = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in torch.randint(3, vocab, (int(n),), generator=gen).tolist())
                                          for n in torch.randint(2, 6, (8,), generator=gen)]})
@@ -685,7 +688,8 @@ def case_grpo_replay(model_dir, out):
         return dict(compared=compared, mismatched=mismatched, missing=missing, forwards=len(seen),
                     disagreement=[h["moe/replay_disagreement"] for h in trainer.state.log_history
                                   if "moe/replay_disagreement" in h],
-                    checkpointing=trainer.args.gradient_checkpointing, steps=trainer.state.global_step)
+                    checkpointing=trainer.args.gradient_checkpointing, steps=trainer.state.global_step,
+                    lent_or_guests=lent_or_guests(model))
 
     r = {}
     RecordingLLM.router_noise = 0.3

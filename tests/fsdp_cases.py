@@ -16,7 +16,7 @@ from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
-from tests.engine_cases import _error, _optimizer
+from tests.engine_cases import _error, _optimizer, lent_or_guests
 from tests.training_cases import _lm_loss
 
 
@@ -35,6 +35,9 @@ def _compare(model, ref, get) -> tuple[float, str]:
             target = local_rows(*weights[name], target)
         worst = max(worst, (((value - target).abs().max() / target.abs().max().clamp_min(1e-12)).item(), name))
     return worst
+
+
+BALANCED = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n"  # any imbalance, any piece
 
 
 def fsdp_training(rank: int, world: int, payload: dict) -> dict:
@@ -86,6 +89,7 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
         opt_ref.zero_grad()
         opt.zero_grad()
     out["worst"], out["worst_name"] = _compare(model, ref, lambda p: p.detach())
+    out["guests"] = lent_or_guests(model)
     if payload.get("save"):  # gathered one layer at a time; plain transformers loads the trained model
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
@@ -128,14 +132,8 @@ def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
     deferred = rewrite_model(copy.deepcopy(ref), parse_plan(
         f"version: 1\nep_size: {world}\nruntime: {{defer_expert_grads: true}}\n"), artifact_dir=art)
     out["deferred"] = _error(lambda: hp_rewrite.fully_shard(deferred))
-    # runtime.balance (#59, until its second half): FSDP2, LoRA on the experts and flat expert weights are refused
+    # runtime.balance: flat expert weights are refused (FSDP2 and LoRA on the experts compose: fsdp_training)
     balance = parse_plan(f"version: 1\nep_size: {world}\nruntime: {{balance: auto}}\n")
-    balanced = rewrite_model(copy.deepcopy(ref), balance, artifact_dir=art)
-    out["balance_fsdp"] = _error(lambda: hp_rewrite.fully_shard(balanced))
-    from peft import LoraConfig, get_peft_model
-
-    lora = get_peft_model(balanced, LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]))
-    out["balance_lora"] = _error(lambda: lora(input_ids=ids))
     out["balance_flat"] = _error(lambda: rewrite_model(build_tiny_model(tiny_config("dbrx"), seed=0), balance,
                                                        artifact_dir=art))
     model = rewrite_model(copy.deepcopy(ref), parse_plan(f"version: 1\nep_size: {world}\n"), artifact_dir=art)
@@ -298,7 +296,7 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
     torch.set_num_threads(1)
     out_dir = Path(payload["out_dir"])
     ref = build_tiny_model(tiny_config("qwen3_moe"), seed=0).train()
-    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n")
+    plan = parse_plan(f"version: 1\nep_size: {payload['ep_size']}\n{payload.get('plan', '')}")
     model = rewrite_model(copy.deepcopy(ref), plan, artifact_dir=out_dir)
     config = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
     if not payload.get("experts_only"):
@@ -344,6 +342,7 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
             o.step()
             o.zero_grad()
     out["worst"], out["worst_name"] = worst(lambda p: p.detach())
+    out["guests"] = lent_or_guests(peft_ep)
     adapter = next(p for n, p in trainable.items() if n in slicers)
     out["adapter_mesh"] = adapter.device_mesh.size()
     out["adapter_local_rows"] = adapter.to_local().shape[0]

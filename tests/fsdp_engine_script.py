@@ -37,7 +37,7 @@ from tests.context_engines import (  # noqa: E402, F401 (cases run by name)
     case_tp_grpo,
     case_tp_sft,
 )
-from tests.engine_cases import _error  # noqa: E402
+from tests.engine_cases import _error, lent_or_guests  # noqa: E402
 from tests.engine_script import (  # noqa: E402
     PER_DEVICE,
     SEQ,
@@ -95,10 +95,20 @@ def _sharding(model) -> dict:
             "expert_local_rows": expert.to_local().shape[0] if hasattr(expert, "to_local") else -1}
 
 
-def _ep_model(model_dir: str, out: Path, dtype=None):
+def _ep_model(model_dir: str, out: Path, dtype=None, balanced: bool = False):
+    """The model at EP 2 (plans/auto-ep2.yaml); ``balanced``: with runtime.balance forced on (any
+    imbalance, any piece moves), so that every layer lends rows."""
     kwargs = {} if dtype is None else {"dtype": dtype}
-    return hp_rewrite.from_pretrained(model_dir, plan=ROOT / "plans" / "auto-ep2.yaml", artifact_dir=out / "art",
-                                      attn_implementation="eager", **kwargs)
+    plan = ROOT / "plans" / "auto-ep2.yaml"
+    if balanced:
+        plan = out / "balanced-ep2.yaml"
+        if dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            plan.write_text("version: 1\nep_size: 2\nruntime: {balance: auto, balance_threshold: 1.0, "
+                            "balance_min_rows: 1}\n")
+        dist.barrier()
+    return hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=out / "art", attn_implementation="eager",
+                                      **kwargs)
 
 
 def _reference(model_dir: str):
@@ -479,11 +489,11 @@ def _sft(model, samples, out_dir, bf16: bool, **overrides):
     return trainer, args
 
 
-def _sft_case(model_dir, out, bf16: bool, **overrides) -> dict:
+def _sft_case(model_dir, out, bf16: bool, balanced: bool = False, **overrides) -> dict:
     """SFTTrainer on the expert-parallel model against SFTTrainer on the unmodified model, the same
     arguments and FSDP2 (the load-balancing loss is per rank's micro-batch, as in any data parallelism)."""
     world = dist.get_world_size()
-    model = _ep_model(model_dir, out)
+    model = _ep_model(model_dir, out, balanced=balanced)
     samples = _samples(model.config.vocab_size, PER_DEVICE * world * 2 * 3)
     trainer, args = _sft(model, samples, out / "ep", bf16, **overrides)
     hp_rewrite.prepare_trainer(trainer)
@@ -491,7 +501,8 @@ def _sft_case(model_dir, out, bf16: bool, **overrides) -> dict:
     result = {"is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model), "bf16": args.bf16,
               "checkpointing": args.gradient_checkpointing, "aux_loss": trainer.aux_loss_enabled,
               "mp_param_dtype": str(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype)
-              if trainer.accelerator.state.fsdp_plugin.mixed_precision_policy else "None"}
+              if trainer.accelerator.state.fsdp_plugin.mixed_precision_policy else "None",
+              "lent_or_guests": lent_or_guests(trainer.model)}
     ep_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     ref_trainer, _ = _sft(_reference(model_dir), samples, out / "ref", bf16, **overrides)
     ref_trainer.train()
@@ -507,7 +518,8 @@ def case_sft(model_dir, out):
 
 
 def case_sft_sgd(model_dir, out):
-    return _sft_case(model_dir, out, bf16=False, optim="sgd", learning_rate=1.0, max_steps=1,
+    """One SGD step at lr 1, with runtime.balance forced on (every layer lends rows)."""
+    return _sft_case(model_dir, out, bf16=False, balanced=True, optim="sgd", learning_rate=1.0, max_steps=1,
                      gradient_accumulation_steps=1)
 
 
@@ -557,15 +569,15 @@ def case_sft_lora_bf16(model_dir, out):
 
 def _accelerate_sgd(model_dir, out, presharded: bool) -> dict:
     """One SGD step at lr 1 with clipping through accelerate's FSDP2 (here with reshard_after_forward
-    False); ``presharded``: the user sharded the model with hp_rewrite.fully_shard before prepare, and
-    accelerate keeps it as it is."""
+    False), with runtime.balance forced on; ``presharded``: the user sharded the model (balance off) with
+    hp_rewrite.fully_shard before prepare, and accelerate keeps it as it is."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
     force_fsdp()
     world, rank = dist.get_world_size(), dist.get_rank()
     accelerator = hp_rewrite.prepare_accelerator(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=False)))
-    ref, model = _reference(model_dir), _ep_model(model_dir, out)
+    ref, model = _reference(model_dir), _ep_model(model_dir, out, balanced=not presharded)
     if presharded:
         hp_rewrite.fully_shard(model)
     sharded = {n: p for n, p in model.named_parameters()}
@@ -579,7 +591,7 @@ def _accelerate_sgd(model_dir, out, presharded: bool) -> dict:
     worst, name = _worst(model, ref)
     kept = all(p is sharded[n] for n, p in model.named_parameters())
     return {"worst": worst, "worst_name": name, "norms": [norm], "ref_norms": ref_norms, "kept": kept,
-            "is_fsdp": True, **_sharding(model)}
+            "is_fsdp": True, **_sharding(model), "lent_or_guests": lent_or_guests(model)}
 
 
 def case_accelerate_sgd(model_dir, out):
@@ -592,12 +604,13 @@ def case_accelerate_presharded(model_dir, out):
 
 def case_grpo(model_dir, out):
     """TRL's GRPOTrainer with fsdp_config version 2 (transformers generating, in lockstep: FSDP modules
-    turn synced_gpus on; GRPOConfig's defaults, fp32), one step on the expert-parallel model (prepared)
+    turn synced_gpus on; GRPOConfig's defaults, fp32) and runtime.balance forced on, one step on the expert-parallel model (prepared)
     against the unmodified model under the same FSDP2 policy, the same prompts and seed: the same logs
     (the same completions) and the same weights after the step."""
     from tests.engine_script import _grpo_both
 
-    trainers, logs = _grpo_both(model_dir, out / "grpo", {"ref": _reference(model_dir), "ep": _ep_model(model_dir, out)},
+    trainers, logs = _grpo_both(model_dir, out / "grpo", {"ref": _reference(model_dir),
+                                                          "ep": _ep_model(model_dir, out, balanced=True)},
                                 trainer_class=_forced_trainer_class, fsdp=True, fsdp_config=_fsdp_config())
     ep, ref = trainers["ep"], trainers["ref"]
     worst, worst_name = _worst(ep.model, ref.model)
@@ -606,7 +619,7 @@ def case_grpo(model_dir, out):
                                                                            strict=True))
     return {"is_fsdp": ep.is_fsdp_enabled, **_sharding(ep.model), "worst": worst, "worst_name": worst_name,
             "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": ep.args.gradient_checkpointing,
-            "moved": moved}
+            "moved": moved, "lent_or_guests": lent_or_guests(ep.model)}
 
 
 def case_grpo_lora(model_dir, out):

@@ -12,6 +12,10 @@ import hp_rewrite
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime import installed
 from hp_rewrite.tiny import as_bf16, build_tiny_model, tiny_config, write_quantized
+from tests.engine_cases import lent_or_guests
+
+# runtime.balance forced on (any imbalance, any piece moves): the kept experts' codes and adapters travel
+BALANCED = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n"
 
 #: name -> (model type, format)
 CHECKPOINTS = {"gpt_oss-mxfp4": ("gpt_oss", "mxfp4"), "deepseek_v3-fp8": ("deepseek_v3", "fp8"),
@@ -183,13 +187,14 @@ def _kept_under_fsdp2(kept, peft_ref, config: dict, ids: torch.Tensor, mine: sli
     peft_ref.zero_grad()
     peft_ref(input_ids=ids, labels=ids).loss.backward()
     peft_fs(input_ids=ids[mine], labels=ids[mine]).loss.backward()
+    moved = lent_or_guests(peft_fs)
     ref_params = dict(peft_ref.named_parameters())
     trainable = {n: p for n, p in peft_fs.named_parameters() if p.requires_grad}
 
     def worst(get) -> float:
         return max(_rel(_full(get(p)), slicers.get(n, lambda t: t)(get(ref_params[n]))) for n, p in trainable.items())
 
-    out = {"fsdp_grad_worst": worst(lambda p: p.grad)}
+    out = {"fsdp_grad_worst": worst(lambda p: p.grad), "fsdp_lent_or_guests": moved}
     for m in (peft_ref, peft_fs):
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5).step()
     out["fsdp_step_worst"] = worst(lambda p: p.detach())
@@ -211,13 +216,12 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
-    from hp_rewrite.runtime.balance import replicas
     from hp_rewrite.runtime.compute.experts import holder_of
     from hp_rewrite.runtime.compute.quantized import QuantizedWeight
 
     torch.set_num_threads(1)
     art, out = Path(payload["artifacts"]), {}
-    plan = parse_plan(f"version: 1\nep_size: {world}\n")
+    plan = parse_plan(f"version: 1\nep_size: {world}\n{BALANCED}")
     for name, model_dir in payload["checkpoints"].items():
         model_dir, r = Path(model_dir), {}
         out[name] = r
@@ -243,8 +247,6 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             if not torch.equal(p.dense(), installed.layout(owner).per_expert(want[n])[local[n]]):
                 r["decoded_mismatched"].append(n)
         r["expert_bytes"] = kept.hp_rewrite.load_report["expert_bytes"]
-        holder = next(h for _, h in installed.holders(kept))  # runtime.balance does not lend codes (yet)
-        r["balance_refused"] = replicas.refusal(holder, holder)
         r["stored_share"] = sum(p.stored_bytes for p in weights.values())
         # a full save decodes the kept experts: the checkpoint the dequantised model saves
         kept.save_pretrained(art / f"kept-full-{name}")
@@ -269,16 +271,17 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             slicers[f"{path}.lora_B.default.weight"] = lambda t, e=experts, n=n_full: t.reshape(
                 t.shape[0], -1, n)[:, :, e].reshape(t.shape[0], -1)
         ref_params = dict(peft_ref.named_parameters())
-        with torch.no_grad():
+        with torch.no_grad():  # every adapter the reference's (its attention ones too: PEFT's draw order varies)
             for n, p in peft_ep.named_parameters():
-                if n in slicers:
-                    p.copy_(slicers[n](ref_params[n]))
+                if p.requires_grad:
+                    p.copy_(slicers.get(n, lambda t: t)(ref_params[n]))
         ids = torch.randint(0, 64, (2 * world, 6), generator=torch.Generator().manual_seed(5))
         mine = slice(2 * rank, 2 * rank + 2)
         theirs = peft_ref(input_ids=ids, labels=ids)
         ddp = DDP(peft_ep)  # as Trainer wraps it (held: its hooks reduce in the backward)
         ours = ddp(input_ids=ids[mine], labels=ids[mine])
         r["logits_rel"] = _rel(ours.logits, theirs.logits[mine])
+        r["lent_or_guests"] = lent_or_guests(peft_ep)  # runtime.balance: the codes and adapters travelled
         theirs.loss.backward()
         ours.loss.backward()
         trainable = [n for n, p in peft_ep.named_parameters() if p.requires_grad]
@@ -312,8 +315,8 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
             r["dcp_refused"] = ""
         except Exception as e:  # noqa: BLE001
             r["dcp_refused"] = str(e)
-        r.update(_kept_under_fsdp2(load_kept(plan=parse_plan("version: 1\nep_size: 2\n")), peft_ref, config, ids,
-                                   mine))
+        r.update(_kept_under_fsdp2(load_kept(plan=parse_plan(f"version: 1\nep_size: 2\n{BALANCED}")), peft_ref, config,
+                                   ids, mine))
         holder = next(m for m in kept.modules() if installed.binding(m) is not None)
         weight = next(n for n in ("gate_up_proj", "down_proj") if isinstance(getattr(holder, n, None), QuantizedWeight))
         getattr(holder, weight).requires_grad_(True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from hp_rewrite.plan import parse_plan
-from hp_rewrite.plan.loader import PlanError
 from hp_rewrite.runtime.balance.decide import assign, moves
 from hp_rewrite.runtime.errors import ExpertParallelError
 from hp_rewrite.runtime.options import RuntimeOptions
@@ -101,10 +100,8 @@ def test_options_and_plan_validate_the_balance_knobs() -> None:
     assert plan.runtime.to_options().balance_min_rows == 256
     assert plan.hash() != parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: auto\n").hash()
     assert parse_plan("version: 1\nep_size: 2\n").runtime.to_options().balance == "off"  # transformers' behaviour
-    with pytest.raises(PlanError, match="runtime.balance: auto with tp_size > 1"):
-        parse_plan("version: 1\nep_size: 2\ntp_size: 2\nruntime:\n  balance: auto\n")
-    with pytest.raises(PlanError, match="routing.replay_rollout"):
-        parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: auto\nrouting:\n  replay_rollout: true\n")
+    assert parse_plan("version: 1\nep_size: 2\ntp_size: 2\nruntime:\n  balance: auto\n").tp_size == 2  # composes
+    assert parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: auto\nrouting:\n  replay_rollout: true\n")
 
 
 def test_the_cost_model_says_when_balancing_pays(capsys) -> None:

@@ -368,10 +368,12 @@ def test_grpo_replays_the_rollout_routes(engine_results: dict) -> None:
     """Rollout routing replay (R3) through TRL's GRPOTrainer at EP 2 with vLLM colocated (a stand-in whose
     routers route differently from the policy's): two steps with GRPOConfig's defaults, and every token
     the engine forwarded goes, in every forward of the policy on it (old log-probabilities, training),
-    to the experts the engine chose; the routers' disagreement with the engine is logged each step (#46)."""
+    to the experts the engine chose; the routers' disagreement with the engine is logged each step (#46).
+    runtime.balance is forced on: the replayed choice's rows are balanced over the ranks, never re-routed (#61)."""
     for rank, r in enumerate(engine_results["grpo_replay"]):
         assert r["steps"] == 2 and r["checkpointing"] and r["forwards"] >= 4, (rank, r)
         assert r["compared"] > 100 and r["mismatched"] == 0 and r["missing"] == 0, (rank, r)
+        assert r["lent_or_guests"] > 0, (rank, r)  # runtime.balance forced on: the replayed choice, balanced
         assert len(r["disagreement"]) == 2 and all(0 < d < 1 for d in r["disagreement"]), (rank, r)
         tp2 = r["tp2"]  # vllm_tensor_parallel_size=2: each rank picks its completions out of the group's outputs
         assert tp2["steps"] == 1 and tp2["compared"] > 50 and tp2["mismatched"] == tp2["missing"] == 0, (rank, tp2)

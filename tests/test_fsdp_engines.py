@@ -80,9 +80,12 @@ def test_accelerate_fsdp2_equals_unmodified_and_resumes(world: int, request) -> 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_accelerate_fsdp2_sgd_step_equals_unmodified(world: int, request) -> None:
+    """runtime.balance forced on (every layer lends rows): the lent experts' weights are the ones FSDP2
+    gathered, their gradients reduced into the owner's shard (#61)."""
     for r in request.getfixturevalue({2: "two", 4: "four"}[world])["accelerate_sgd"]:
         _sharded_as_fully_shard(r, world)
         _exact(r)
+        assert r["lent_or_guests"] > 0, r
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -140,6 +143,7 @@ def test_sft_trainer_fsdp2_with_its_defaults_equals_unmodified(world: int, reque
             assert r["checkpointing"] and r["aux_loss"] and not r["bf16"], r
             _exact(r)
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), r
+            assert r["lent_or_guests"] > 0 or case == "sft", r  # sft_sgd: runtime.balance forced on (#61)
     if world == 2:
         for r in results["sft_bf16"]:  # SFTConfig's defaults: bf16 mixed precision too
             assert r["bf16"] and r["mp_param_dtype"] == "torch.bfloat16" and r["checkpointing"] and r["aux_loss"], r
@@ -213,10 +217,11 @@ def test_grpo_trainer_fsdp2_equals_unmodified(two) -> None:
     """TRL's GRPOTrainer with fsdp_config version 2, prepared, one step at EP 2 (GRPOConfig's defaults,
     transformers generating in lockstep; fp32) against the unmodified model under the same FSDP2 policy:
     the same completions and logs (floats to rounding: FSDP2 sums the grad norm shard by shard) and the same
-    weights after the step (#46)."""
+    weights after the step (#46). runtime.balance is forced on (every layer lends rows) (#61)."""
     for rank, r in enumerate(two["grpo"]):
         _sharded_as_fully_shard(r, 2)
         assert r["checkpointing"] and r["worst"] <= TOL and r["moved"] > 10 * TOL, (rank, r["worst_name"], r["worst"])
+        assert r["lent_or_guests"] > 0, r  # runtime.balance forced on: rows moved
         assert "completions/mean_length" in r["logs"][0] and "grad_norm" in r["logs"][0], r["logs"]
         assert_logs_agree(r["logs"], r["ref_logs"], context=rank)
 

@@ -92,7 +92,8 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert r[name]["resume_mismatched"] == [] and r[name]["sharded_mismatched"] == [], (name, rank, r[name])
         saved = ranks[0][name]["saved"]
         assert saved == {"quantization_config": False, "mismatched": [], "dtype": "torch.bfloat16"}, saved
-        # dequantize=False: the experts kept as codes at EP 4 (quantized_cases.kept_case), LoRA trained on them
+        # dequantize=False: the experts kept as codes at EP 4 (quantized_cases.kept_case), LoRA trained on them,
+        # runtime.balance forced on
         expert_codes = sum(n for k, n in file_bytes(model_dir, per_key=True).items()
                            if ".experts." in k and not k.endswith("_bias"))
         for rank, r in enumerate(ranks):
@@ -104,7 +105,8 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
                 assert kept[what] <= TOL, (name, rank, what, kept)
             assert "write into an expert weight kept quantised" in kept["merge_refused"], kept
             assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
-            assert "keeps its experts quantised" in kept["balance_refused"], kept  # refused with runtime.balance
+            # runtime.balance forced on: experts lent as their codes and scales with their adapters (#61)
+            assert kept["lent_or_guests"] > 0 and kept["fsdp_lent_or_guests"] > 0, (name, rank, kept)
             # under hp_rewrite.fully_shard: the codes left as loaded, the adapters sharded, one more step exact
             # (at EP 2: twice the experts per rank, their adapters sharded over the 2 expert replicas)
             assert kept["fsdp_codes_kept"] == kept["kept"] and kept["fsdp_adapters_sharded"], (name, rank, kept)

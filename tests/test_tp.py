@@ -30,6 +30,11 @@ CASES += [dict(id="qwen3_moe-ep1-tp2-sp", model_type="qwen3_moe", ep=1, tp=2, sp
 EXTRA = [dict(id="bf16-qwen2_moe-ep4-tp2-sp", model_type="qwen2_moe", ep=4, tp=2, sp=True, bf16=True),
          dict(id="doubled-shared-reduction", model_type="deepseek_v3", ep=2, tp=2, sp=False, double_shared=True),
          dict(id="user-mesh", model_type="qwen3_moe", ep=4, tp=2, sp=True, user_mesh=True)]
+# runtime.balance forced on (any imbalance, any piece moves) over the TP-extended EP group, with and
+# without sequence parallelism (#61)
+BALANCED = [dict(id="balanced-qwen3_moe-ep4-tp2", model_type="qwen3_moe", ep=4, tp=2, sp=False, balance=True),
+            dict(id="balanced-deepseek_v3-ep2-tp2-sp", model_type="deepseek_v3", ep=2, tp=2, sp=True, balance=True)]
+EXTRA += BALANCED
 REFUSALS = [dict(id="kv-heads", model_type="qwen3_moe", ep=4, tp=4, sp=False, kv_heads=2),
             dict(id="odd-sequence", model_type="qwen3_moe", ep=2, tp=2, sp=True, seq=7),
             dict(id="ddp", model_type="qwen3_moe", ep=2, tp=2, sp=False, engine="ddp"),
@@ -68,6 +73,15 @@ def test_tp_ep_equals_unmodified(world, case) -> None:
         assert r["logits"] <= TOL, f"rank {rank}: logits off by {r['logits']:.2e}"
         assert r["grad"] <= TOL, f"rank {rank}: gradient of {r['grad_name']} off by {r['grad']:.2e}"
         assert r["dtensors"] > 0  # the dense parts really are split
+
+
+@pytest.mark.parametrize("case", BALANCED, ids=[c["id"] for c in BALANCED])
+def test_balancing_over_the_tp_extended_ep_group(world, case) -> None:
+    """Each TP rank's share of its group's tokens is balanced over the EP group like any rank's rows."""
+    for rank, results in enumerate(world):
+        r = results[case["id"]]
+        assert r["logits"] <= TOL and r["grad"] <= TOL, (rank, r)
+        assert r["moved"] > 0, (rank, r)  # rows really moved
 
 
 def test_the_users_mesh(world) -> None:

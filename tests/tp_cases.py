@@ -17,6 +17,7 @@ from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
+from tests.engine_cases import lent_or_guests
 
 TOL = 1e-5
 PER_BATCH, SEQ = 2, 8
@@ -57,8 +58,9 @@ def _case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     model_type, ep_size, tp_size, sp = case["model_type"], case["ep"], case["tp"], case["sp"]
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     ref = reference(model_type, dtype)
+    balance = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n" if case.get("balance") else ""
     plan = parse_plan(f"version: 1\nep_size: {ep_size}\ntp_size: {tp_size}\n"
-                      f"sequence_parallel: {'true' if sp else 'false'}\n")
+                      f"sequence_parallel: {'true' if sp else 'false'}\n{balance}")
     mesh = None
     if case.get("user_mesh"):  # the user's ("dp", "tp") mesh, checked against the plan
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,7 +86,8 @@ def _case(rank: int, world: int, case: dict, out_dir: str) -> dict:
     logits = ((out.logits.float() - target).abs().max() / target.abs().max()).item()
     grad, grad_name = worst_grad(model, ref)
     split = sum(isinstance(p, DTensor) for p in model.parameters())
-    return {"logits": logits, "grad": grad, "grad_name": grad_name, "dtensors": split}
+    return {"logits": logits, "grad": grad, "grad_name": grad_name, "dtensors": split,
+            "moved": lent_or_guests(model)}
 
 
 def _all_reduced(out: torch.Tensor, model) -> torch.Tensor:

@@ -300,13 +300,7 @@ class Plan(_Section):
             )
         if self.tp_size > 1 and self.runtime.capacity_factor is not None:
             raise ValueError("runtime.capacity_factor with tp_size > 1 is not supported: drop one of them")
-        if self.runtime.balance != "off" and self.tp_size > 1:
-            raise ValueError("runtime.balance: auto with tp_size > 1 (TP-extended EP) is not supported yet: set "
-                             "runtime.balance: off, or tp_size: 1")
         self._context_composes()
-        if self.runtime.balance != "off" and self.routing.replay_rollout:
-            raise ValueError("runtime.balance: auto with routing.replay_rollout: true is not supported yet: set one "
-                             "of them off")
         return self
 
     def _context_composes(self) -> None:

@@ -80,10 +80,6 @@ def _refuse_unshardable(inner: nn.Module, holders: list[nn.Module], what: str) -
             "forward reads directly, beside its router; FSDP2 cannot unshard them around that forward. Train "
             "this model with DDP or hp_rewrite.sync_gradients (its experts are already split over the EP ranks)"
         )
-    if any(installed.binding(h).options.balance != "off" for h in holders):
-        raise ExpertParallelError(
-            f"{what}: runtime.balance: auto lends expert weights that FSDP2 would hold sharded; that is not "
-            "supported yet. Set runtime.balance: off, or train with DDP or hp_rewrite.sync_gradients")
     if any(installed.binding(h).options.defer_expert_grads for h in holders):
         raise ExpertParallelError(
             f"{what}: runtime.defer_expert_grads writes expert gradients after FSDP has reduced them; set "

@@ -1,6 +1,13 @@
 """The experts a rank computes for others in one layer (``runtime.balance``): their weights lent by
 the owner for the layer, their gradients summed back into the owner's.
 
+The lending happens inside the experts holder's own call (:func:`local_forward`, reached through the
+module's ``__call__``), so the weights lent are the ones the owner's own rows meet there: FSDP2 has
+gathered its shards (an HSDP replica's too) and PEFT's LoRA on the experts is applied (the weight plus
+its adapter's delta, differentiable to the factors). The lent copies' gradients return by autograd
+inside the same backward; FSDP2 reduces an experts holder's gradient after the whole backward (its
+call takes a :class:`LocalBatch`, no tensor argument), so they are in the owner's shard's gradient.
+
 The owner picks the lent experts out of each stacked weight (:class:`_Lent`: its backward adds an
 expert's copies' gradients in a fixed order, one small matmul, no atomics) and sends them with the
 differentiable all-to-all, cast to the autocast dtype first (the dtype the owner's GEMMs would read
@@ -21,8 +28,8 @@ from torch.autograd import Function
 
 from .. import installed
 from ..compute.batch import LocalBatch
-from ..compute.experts import ExpertsLayout, local_experts_forward
-from ..compute.quantized import projection_of
+from ..compute.experts import ExpertsLayout, expert_weights, local_experts_forward
+from ..compute.quantized import QuantizedProjection
 from ..transport import comm
 
 
@@ -56,16 +63,102 @@ class _Joined(Function):
         return (grad, *(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.like))
 
 
+class _Parts:
+    """One weight's lent experts in flight: its parts (a dense weight: one; a kept-quantised one: its
+    codes and scales as bytes, then each LoRA term's two factors) and how to rebuild it on arrival."""
+
+    def __init__(self, weight, index: torch.Tensor, sends: list[int], recvs: list[int], link,
+                 dtype: torch.dtype | None) -> None:
+        self.weight, self.like, self.pending = weight, [], []
+        if isinstance(weight, QuantizedProjection):  # the codes travel, not dequantised weights
+            stored = weight.weight.stored
+            parts = [(stored.codes, False), (stored.scales, False)]
+            parts += [(t, True) for lhs, rhs, _ in weight.terms for t in (lhs, rhs)]
+        else:
+            parts = [(weight, True)]
+        for tensor, floating in parts:
+            sent = _pick(tensor, index, cast=dtype if floating else None)
+            self.like.append((sent.dtype, tensor.shape[1:]))
+            rows = sent.reshape(sent.shape[0], tensor.shape[1:].numel())  # one row per expert
+            if not floating:  # codes and scales as bytes: any dtype crosses any backend
+                rows = rows.contiguous().view(torch.uint8)
+            self.pending.append(comm.exchange(rows, recvs, sends, link.group, link.overlap, link.hooks))
+
+    def wait(self, count: int):
+        got = []
+        for pending, (dtype, shape) in zip(self.pending, self.like, strict=True):
+            rows = pending.wait()
+            got.append((rows.view(dtype) if rows.dtype != dtype else rows).view(count, *shape))
+        if not isinstance(self.weight, QuantizedProjection):
+            return got[0]
+        codes, scales, *factors = got
+        terms = [(factors[2 * i], factors[2 * i + 1], scaling) for i, (_, _, scaling) in enumerate(self.weight.terms)]
+        return replace(self.weight, weight=self.weight.weight.with_experts(codes, scales), terms=terms)
+
+    def received(self) -> list[torch.Tensor]:
+        """What arrived that carries gradients back (a rank with no guest joins their exchange)."""
+        return [p.wait() for p in self.pending]
+
+
+def _pick(tensor: torch.Tensor, index: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
+    """``tensor[index]``, differentiable into ``tensor`` (:class:`_Lent`), cast to ``cast`` if given."""
+    grad = tensor.requires_grad and torch.is_grad_enabled()
+    if index.numel():
+        sent = _Lent.apply(tensor, index) if grad else tensor.index_select(0, index)
+    else:  # a leaf, so this rank's reverse all-to-all runs in backward too
+        sent = tensor.new_empty((0, *tensor.shape[1:]), requires_grad=grad)
+    return sent.to(cast) if cast is not None and sent.is_floating_point() else sent
+
+
 @dataclass
 class Guests:
     """This layer's lent weights in flight (per weight name) and how many experts this rank computes for others."""
 
-    pending: dict[str, comm.PendingExchange]
-    shapes: dict[str, torch.Size]
+    parts: dict[str, _Parts]
     count: int
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.wait().view(self.count, *self.shapes[n]) for n, p in self.pending.items()}
+    def weights(self) -> dict:
+        return {n: p.wait(self.count) for n, p in self.parts.items()}
+
+    def received(self) -> list[torch.Tensor]:
+        return [t for p in self.parts.values() for t in p.received()]
+
+
+@dataclass
+class Lending:
+    """One layer's balancing as its chunks' batches carry it into the holder's call.
+
+    moves: whether any rank lends this layer (the same on every rank: all of them exchange weights, or
+    none). sends / recvs: expert weights this rank sends to / receives from each rank (host ints).
+    send_local: this rank's experts to send, destination-major. dtype: the autocast dtype the weights
+    travel in. The first chunk's call lends (:attr:`guests`), the later chunks reuse what it received."""
+
+    num_local: int
+    moves: bool
+    send_local: torch.Tensor
+    sends: list[int]
+    recvs: list[int]
+    link: object
+    dtype: torch.dtype | None
+    guests: Guests | None = None
+
+
+def local_forward(module: nn.Module, batch: LocalBatch, layout: ExpertsLayout) -> torch.Tensor:
+    """The holder's rows: its own experts' (``local_experts_forward``), then with ``batch.lending`` its
+    guests' through the weights lent to it, which it receives here (module doc)."""
+    lending = batch.lending
+    if lending is None:
+        return local_experts_forward(module, batch, layout)
+    batch = replace(batch, lending=None)
+    if lending.moves and lending.guests is None:  # every rank lends at its first chunk, or none does
+        lending.guests = lend(module, layout, lending.send_local, lending.sends, lending.recvs, lending.link,
+                              lending.dtype, batch.fp8_gemm)
+    guests = lending.guests
+    mine, theirs = split(batch, lending.num_local, guests.count if guests else 0)
+    own = local_experts_forward(module, mine, layout)
+    if guests is None:
+        return own
+    return torch.cat([own, guest_rows(module, layout, guests, theirs, own)])
 
 
 def refusal(experts: nn.Module, holder: nn.Module | None) -> str | None:
@@ -73,37 +166,20 @@ def refusal(experts: nn.Module, holder: nn.Module | None) -> str | None:
     if holder is None:
         return f"{type(experts).__name__} is not an installed experts holder"
     name, layout = type(holder).__name__, installed.layout(holder)
-    if experts is not holder:
-        return (f"{name} is wrapped ({type(experts).__name__}): LoRA or modules_to_save on the experts; lending "
-                "their adapters is not supported yet")
-    if installed.fsdp_sharded(holder):
-        return f"{name}'s experts are sharded by FSDP2; lending sharded experts is not supported yet"
     if layout.modules or layout.flat or layout.split:
         return f"{name} holds its experts as modules or flat or split weights; only stacked 3-D weights are lent"
-    if any(projection_of(holder, n, name, 1, False) is not None for n in layout.weight_names):
-        return f"{name} keeps its experts quantised (codes and scales); they are not lent"
     return None
 
 
 def lend(holder: nn.Module, layout: ExpertsLayout, send_local: torch.Tensor, sends: list[int], recvs: list[int],
-         link, dtype: torch.dtype | None) -> Guests:
+         link, dtype: torch.dtype | None, fp8: bool = False) -> Guests:
     """Start sending this rank's lent experts' weights (``send_local``, destination-major, ``sends[r]`` to
-    rank ``r``) and receiving ``recvs[r]`` experts from each rank ``r``. ``dtype``: the autocast dtype."""
-    pending, shapes = {}, {}
+    rank ``r``) and receiving ``recvs[r]`` experts from each rank ``r``. ``dtype``: the autocast dtype
+    (dense weights and LoRA factors travel in it; kept codes and scales as they are stored). ``fp8``:
+    the call's runtime.fp8_gemm (the guests' GEMMs run as the owner's would)."""
     index = send_local[: sum(sends)]
-    for name in layout.roles:
-        weight = layout.weight(holder, name)
-        shapes[name] = weight.shape[1:]
-        grad = weight.requires_grad and torch.is_grad_enabled()
-        if index.numel():
-            sent = _Lent.apply(weight, index) if grad else weight.index_select(0, index)
-        else:  # a leaf, so this rank's reverse all-to-all runs in backward too
-            sent = weight.new_empty((0, *weight.shape[1:]), requires_grad=grad)
-        if dtype is not None and sent.is_floating_point():
-            sent = sent.to(dtype)
-        rows = sent.reshape(sent.shape[0], shapes[name].numel())  # one row per expert
-        pending[name] = comm.exchange(rows, recvs, sends, link.group, link.overlap, link.hooks)
-    return Guests(pending, shapes, sum(recvs))
+    weights = expert_weights(holder, layout, fp8)
+    return Guests({n: _Parts(w, index, sends, recvs, link, dtype) for n, w in weights.items()}, sum(recvs))
 
 
 def split(batch: LocalBatch, num_local: int, guests: int) -> tuple[LocalBatch, LocalBatch]:
@@ -121,9 +197,8 @@ def guest_rows(holder: nn.Module, layout: ExpertsLayout, guests: Guests, batch: 
                own: torch.Tensor) -> torch.Tensor:
     """The guests' rows through their lent weights, to follow ``own`` (this rank's experts' rows); on a
     rank with no guest ``[0, H]`` in ``own``'s dtype, joined to the weights' backward exchange."""
-    weights = guests.weights()
     if guests.count:
-        return local_experts_forward(holder, batch, layout, weights=weights)
+        return local_experts_forward(holder, batch, layout, weights=guests.weights())
     rows = own.new_zeros((0, own.shape[-1]))
-    received = [w for w in weights.values() if w.requires_grad]
+    received = [w for w in guests.received() if w.requires_grad]
     return _Joined.apply(rows, *received) if received else rows

@@ -24,6 +24,7 @@ from torch import nn
 
 from ... import kernels
 from .. import installed
+from ..balance import replicas
 from ..compute import expert_modules
 from ..compute.experts import (
     ExpertsLayout,
@@ -31,7 +32,6 @@ from ..compute.experts import (
     experts_implementation_of,
     holder_of,
     keep_local_experts,
-    local_experts_forward,
 )
 from ..errors import ExpertParallelError
 from ..group.groups import ExpertParallelGroup, ExpertPlacement
@@ -47,8 +47,8 @@ def expert_parallel_forward(self: nn.Module, hidden, top_k_index=None, top_k_wei
     """The forward of an installed experts holder: the only experts-level forward (the experts-level
     archetype's generated function calls it). ``top_k_index`` may also be one-hot dispatch masks
     ``[T, K, E]`` (Switch Transformers'); ``eval_scale`` multiplies the output in eval mode."""
-    if isinstance(hidden, LocalBatch):
-        return local_experts_forward(self, hidden, installed.layout(self))
+    if isinstance(hidden, LocalBatch):  # with runtime.balance, lending from here (its weights as this call sees them)
+        return replicas.local_forward(self, hidden, installed.layout(self))
     if top_k_index is not None and top_k_index.dim() == 3 and top_k_weights.dim() == 2 and \
             top_k_index.shape[-1] == installed.binding(self).num_experts:  # masks [T, K, E], weights [T, K]
         top_k_index, top_k_weights = from_dispatch_masks(top_k_index, top_k_weights)

@@ -35,6 +35,9 @@ class LocalBatch:
     weight_grads: WeightGradQueue | None = None  # runtime.defer_expert_grads: where weight gradients queue
     padded: bool = False  # made by pad_empty_groups: no group is empty (never padded twice)
     fp8_gemm: bool = False  # runtime.fp8_gemm of the call: FP8 GEMMs on experts kept as block-FP8 codes
+    # runtime.balance: the layer's lending (a balance.replicas.Lending), which the holder's call resolves:
+    # rows past its own experts' are its guests', computed with the weights lent to it
+    lending: object | None = None
 
     @classmethod
     def from_counts(

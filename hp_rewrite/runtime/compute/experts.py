@@ -472,7 +472,7 @@ def local_experts_forward(
     if layout.modules and module.training:
         expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
-    weights = weights or {n: _weight_of(module, layout, n, batch.fp8_gemm) for n in layout.roles}
+    weights = weights or expert_weights(module, layout, batch.fp8_gemm)
     amp = _autocast_dtype(x)
     choice = kernel_choice(batch.compute, module, x.device.type, amp or x.dtype, layout, weights=weights,
                            weight_dtype=amp)
@@ -532,6 +532,11 @@ def local_experts_forward(
     if layout.post_norm:
         y = module.post_expert_norm(y)
     return y
+
+
+def expert_weights(module: nn.Module, layout: ExpertsLayout, fp8: bool = False) -> dict:
+    """Every weight of the local experts as their GEMMs read it (``_weight_of``), by name."""
+    return {n: _weight_of(module, layout, n, fp8) for n in layout.roles}
 
 
 def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str, fp8: bool = False):

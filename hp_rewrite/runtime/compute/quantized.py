@@ -76,6 +76,12 @@ class QuantizedWeight(torch.Tensor):
         """Block-FP8 ``[E, out, in]`` weights with their ``[E, out/b0, in/b1]`` scales, the out-first parameter."""
         return cls(_Codes("fp8", weight, scale_inv, False, tuple(block)), weight.shape, dtype)
 
+    def with_experts(self, codes: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+        """A weight of the same kind holding other experts' ``codes`` and ``scales`` (runtime.balance:
+        experts lent by another rank, their codes as stored)."""
+        stored = replace(self.stored, codes=codes, scales=scales, lazy=())
+        return QuantizedWeight(stored, torch.Size((codes.shape[0], *self.shape[1:])), self.dtype)
+
     @property
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.stored.codes, self.stored.scales))

@@ -48,7 +48,7 @@ from .. import installed
 from ..balance import replicas
 from ..balance.decide import Decision, decide
 from ..compute.batch import LocalBatch
-from ..compute.experts import holder_of, local_experts_forward
+from ..compute.experts import holder_of
 from ..errors import ExpertParallelError
 from ..group import tokens
 from ..group.groups import ExpertParallelGroup, ExpertPlacement
@@ -252,9 +252,9 @@ def dispatch(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                           link, runtime.queue_for(options, ep.size), identity=identity, tp_tokens=tp_tokens)
 
 
-def _launch(state: RoutedDispatch, c: Counted, holder: nn.Module | None) -> tuple[list[Chunk], replicas.Guests | None]:
-    """Read the layer's split sizes on the host (its one host sync) and start the token exchanges, then
-    with runtime.balance the lent experts' weights (``holder``'s).
+def _launch(state: RoutedDispatch, c: Counted) -> tuple[list[Chunk], replicas.Lending | None]:
+    """Read the layer's split sizes on the host (its one host sync) and start the token exchanges; with
+    runtime.balance, what the holder's call lends (the weights travel from inside it: :mod:`..balance.replicas`).
 
     Called by :func:`experts_and_combine`, so whatever the block queues between :func:`dispatch` and
     it (the shared expert, :func:`shared_beside`) is on the device before the host waits."""
@@ -281,14 +281,14 @@ def _launch(state: RoutedDispatch, c: Counted, holder: nn.Module | None) -> tupl
     row_bytes = c.hidden.shape[-1] * c.hidden.element_size() + exchange.side_bytes(top_k, c.weights.dtype, c.hidden.dtype)
     stats.bytes_sent = stats.rows_sent * row_bytes
     stats.bytes_received = stats.rows_received * row_bytes
-    guests = None
-    if lending and host[-1] > 0:  # anything moves (the same on every rank): all or none exchange weights
-        sends, recvs = host[-1 - 2 * ep.size : -1 - ep.size], host[-1 - ep.size : -1]
-        dtype = torch.get_autocast_dtype(c.hidden.device.type) if torch.is_autocast_enabled(c.hidden.device.type) \
-            else None
-        guests = replicas.lend(holder, installed.layout(holder), c.decision.send_local, sends, recvs, link, dtype)
-        stats.lent, stats.guests = sum(sends), sum(recvs)
-    return chunks, guests
+    if not lending:
+        return chunks, None
+    sends, recvs = host[-1 - 2 * ep.size : -1 - ep.size], host[-1 - ep.size : -1]
+    dtype = torch.get_autocast_dtype(c.hidden.device.type) if torch.is_autocast_enabled(c.hidden.device.type) \
+        else None
+    stats.lent, stats.guests = sum(sends), sum(recvs)  # anything moves (the same on every rank): all or none lend
+    return chunks, replicas.Lending(state.placement.num_local, host[-1] > 0, c.decision.send_local, sends, recvs,
+                                    link, dtype)
 
 
 def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
@@ -321,7 +321,7 @@ def _run_experts(experts: nn.Module, batch: LocalBatch, via_call: bool) -> torch
     if via_call and holder_of(experts) is not None:
         # through __call__ (of a wrapper too): FSDP and other module hooks fire, PEFT adapters apply
         return experts(batch)
-    return local_experts_forward(experts, batch, installed.layout(experts))
+    return replicas.local_forward(experts, batch, installed.layout(experts))
 
 
 def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: bool = True) -> torch.Tensor:
@@ -346,7 +346,7 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
         why = replicas.refusal(experts, holder)
         if why:
             raise ExpertParallelError(f"runtime.balance: auto: {why}. Set runtime.balance: off")
-    chunks, guests = _launch(state, phase, holder) if isinstance(phase, Counted) else (phase.chunks, None)
+    chunks, lending = _launch(state, phase) if isinstance(phase, Counted) else (phase.chunks, None)
     width = phase.width if isinstance(phase, Counted) else state.placement.num_local
     installed.set_last_stats(holder or experts, state.stats)  # this layer's last dispatch: device tensors, no host sync
     load = installed.routing_load(holder or experts)  # plan routing: counts kept for the step
@@ -358,14 +358,10 @@ def experts_and_combine(state: RoutedDispatch, experts: nn.Module, *, via_call: 
     combines = []
     for chunk in chunks:
         x, held = exchange.expert_rows(chunk, k, width, hidden_size)
-        batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill, fp8_gemm=state.options.fp8_gemm)
-        if decision is None:
-            y = _run_experts(experts, batch, via_call)
-        else:  # this rank's experts' rows, then its guests' (runtime.balance)
-            mine, theirs = replicas.split(batch, state.placement.num_local, guests.count if guests else 0)
-            y = _run_experts(experts, mine, via_call)
-            if guests is not None:
-                y = torch.cat([y, replicas.guest_rows(holder, installed.layout(holder), guests, theirs, y)])
+        # with runtime.balance: this rank's experts' rows, then its guests' (the holder's call lends)
+        batch = LocalBatch(x, chunk.local_counts, chunk.offsets, compute, fill, fp8_gemm=state.options.fp8_gemm,
+                           lending=lending)
+        y = _run_experts(experts, batch, via_call)
         y = exchange.returned_rows(chunk, y, held, k, state.weights.dtype)
         combines.append(comm.exchange(y, chunk.send_splits, chunk.recv_splits, link.group, link.overlap, link.hooks))
     outs = [
