@@ -30,6 +30,12 @@ def lent_or_guests(model) -> int:
     return sum(st.guests + st.lent for st in stats if st is not None)
 
 
+def lent_bytes(model) -> tuple[int, int]:
+    """Bytes this rank's lent experts sent in the last forward, and their gradients' bytes coming back."""
+    stats = [st for _, h in installed.holders(model) if (st := installed.last_stats(h)) is not None]
+    return sum(st.lent_bytes for st in stats), sum(st.lent_grad_bytes for st in stats)
+
+
 def _optimizer(name: str, params, lr: float):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)

@@ -16,7 +16,7 @@ from hp_rewrite.loading.patch import rewrite_model
 from hp_rewrite.plan import parse_plan
 from hp_rewrite.runtime.binding.install import expert_weights, local_rows
 from hp_rewrite.tiny import build_tiny_model, tiny_config
-from tests.engine_cases import _error, _optimizer, lent_or_guests
+from tests.engine_cases import _error, _optimizer, lent_bytes, lent_or_guests
 from tests.training_cases import _lm_loss
 
 
@@ -343,6 +343,7 @@ def peft_fsdp(rank: int, world: int, payload: dict) -> dict:
             o.zero_grad()
     out["worst"], out["worst_name"] = worst(lambda p: p.detach())
     out["guests"] = lent_or_guests(peft_ep)
+    out["lent_bytes"], out["lent_grad_bytes"] = lent_bytes(peft_ep)
     adapter = next(p for n, p in trainable.items() if n in slicers)
     out["adapter_mesh"] = adapter.device_mesh.size()
     out["adapter_local_rows"] = adapter.to_local().shape[0]

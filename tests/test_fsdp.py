@@ -89,6 +89,10 @@ def test_fully_shard_trains_saves_and_loads_peft_adapters_on_the_experts(case: s
         assert not r["stream_problems"], (rank, r["stream_problems"])  # merged weights streamed (#46)
         if payload.get("plan") == BALANCED:
             assert r["guests"] > 0, r
+            # the frozen experts travel with their adapters' factors, and only the factors' gradients return
+            assert r["lent_grad_bytes"] * 4 < r["lent_bytes"] or r["lent_bytes"] == 0, r
+    if payload.get("plan") == BALANCED:
+        assert sum(r["lent_bytes"] for r in results) > 0, results
 
 
 def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> None:

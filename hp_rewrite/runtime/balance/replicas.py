@@ -29,7 +29,7 @@ from torch.autograd import Function
 from .. import installed
 from ..compute.batch import LocalBatch
 from ..compute.experts import ExpertsLayout, expert_weights, local_experts_forward
-from ..compute.quantized import QuantizedProjection
+from ..compute.quantized import QuantizedProjection, lora_factors
 from ..transport import comm
 
 
@@ -64,24 +64,34 @@ class _Joined(Function):
 
 
 class _Parts:
-    """One weight's lent experts in flight: its parts (a dense weight: one; a kept-quantised one: its
-    codes and scales as bytes, then each LoRA term's two factors) and how to rebuild it on arrival."""
+    """One weight's lent experts in flight: its parts and how to rebuild it on arrival.
 
-    def __init__(self, weight, index: torch.Tensor, sends: list[int], recvs: list[int], link,
+    A dense weight travels as one part, in the autocast dtype; with PEFT's LoRA in its factored form on
+    it, as the stored weight and each term's two factors in their own dtypes, merged on arrival by the
+    op PEFT merges with (so the backward returns the factors' gradients, not a dense one); a
+    kept-quantised weight as its codes and scales (bytes), then its LoRA factors."""
+
+    def __init__(self, weight, factored, index: torch.Tensor, sends: list[int], recvs: list[int], link,
                  dtype: torch.dtype | None) -> None:
-        self.weight, self.like, self.pending = weight, [], []
+        self.weight, self.terms, self.like, self.pending = weight, None, [], []
+        self.bytes, self.grad_bytes = 0, 0  # sent in the forward; their gradients return in the backward
         if isinstance(weight, QuantizedProjection):  # the codes travel, not dequantised weights
             stored = weight.weight.stored
-            parts = [(stored.codes, False), (stored.scales, False)]
-            parts += [(t, True) for lhs, rhs, _ in weight.terms for t in (lhs, rhs)]
+            parts = [(stored.codes, None, True), (stored.scales, None, True)]
+            parts += [(t, None, False) for lhs, rhs, _ in weight.terms for t in (lhs, rhs)]
+        elif factored is not None:
+            stored, self.terms = factored
+            parts = [(t, None, False) for t in (stored, *(t for lhs, rhs, _ in self.terms for t in (lhs, rhs)))]
         else:
-            parts = [(weight, True)]
-        for tensor, floating in parts:
-            sent = _pick(tensor, index, cast=dtype if floating else None)
+            parts = [(weight, dtype, False)]
+        for tensor, cast, as_bytes in parts:
+            sent = _pick(tensor, index, cast=cast)
             self.like.append((sent.dtype, tensor.shape[1:]))
             rows = sent.reshape(sent.shape[0], tensor.shape[1:].numel())  # one row per expert
-            if not floating:  # codes and scales as bytes: any dtype crosses any backend
+            if as_bytes:  # codes and scales: any dtype crosses any backend
                 rows = rows.contiguous().view(torch.uint8)
+            self.bytes += rows.numel() * rows.element_size()
+            self.grad_bytes += rows.numel() * rows.element_size() if rows.requires_grad else 0
             self.pending.append(comm.exchange(rows, recvs, sends, link.group, link.overlap, link.hooks))
 
     def wait(self, count: int):
@@ -89,6 +99,12 @@ class _Parts:
         for pending, (dtype, shape) in zip(self.pending, self.like, strict=True):
             rows = pending.wait()
             got.append((rows.view(dtype) if rows.dtype != dtype else rows).view(count, *shape))
+        if self.terms is not None:  # W + scaling * lhs @ rhs per term, as PEFT's factored LoRA merges
+            merged, factors = got[0], got[1:]
+            with torch.autocast(merged.device.type, enabled=False):
+                for i, (_, _, scaling) in enumerate(self.terms):
+                    merged = torch.baddbmm(merged, factors[2 * i], factors[2 * i + 1], alpha=scaling)
+            return merged
         if not isinstance(self.weight, QuantizedProjection):
             return got[0]
         codes, scales, *factors = got
@@ -116,9 +132,12 @@ class Guests:
 
     parts: dict[str, _Parts]
     count: int
+    arrived: dict | None = None  # the weights as rebuilt, once for every chunk
 
     def weights(self) -> dict:
-        return {n: p.wait(self.count) for n, p in self.parts.items()}
+        if self.arrived is None:
+            self.arrived = {n: p.wait(self.count) for n, p in self.parts.items()}
+        return self.arrived
 
     def received(self) -> list[torch.Tensor]:
         return [t for p in self.parts.values() for t in p.received()]
@@ -140,6 +159,7 @@ class Lending:
     recvs: list[int]
     link: object
     dtype: torch.dtype | None
+    stats: object  # the layer's DispatchStats: the lent bytes are added to it
     guests: Guests | None = None
 
 
@@ -153,6 +173,8 @@ def local_forward(module: nn.Module, batch: LocalBatch, layout: ExpertsLayout) -
     if lending.moves and lending.guests is None:  # every rank lends at its first chunk, or none does
         lending.guests = lend(module, layout, lending.send_local, lending.sends, lending.recvs, lending.link,
                               lending.dtype, batch.fp8_gemm)
+        lending.stats.lent_bytes = sum(p.bytes for p in lending.guests.parts.values())
+        lending.stats.lent_grad_bytes = sum(p.grad_bytes for p in lending.guests.parts.values())
     guests = lending.guests
     mine, theirs = split(batch, lending.num_local, guests.count if guests else 0)
     own = local_experts_forward(module, mine, layout)
@@ -178,8 +200,10 @@ def lend(holder: nn.Module, layout: ExpertsLayout, send_local: torch.Tensor, sen
     (dense weights and LoRA factors travel in it; kept codes and scales as they are stored). ``fp8``:
     the call's runtime.fp8_gemm (the guests' GEMMs run as the owner's would)."""
     index = send_local[: sum(sends)]
-    weights = expert_weights(holder, layout, fp8)
-    return Guests({n: _Parts(w, index, sends, recvs, link, dtype) for n, w in weights.items()}, sum(recvs))
+    factored = {n: lora_factors(holder, n) for n in layout.roles}
+    weights = expert_weights(holder, layout, fp8, [n for n, f in factored.items() if f is None])
+    return Guests({n: _Parts(weights.get(n), factored[n], index, sends, recvs, link, dtype) for n in layout.roles},
+                  sum(recvs))
 
 
 def split(batch: LocalBatch, num_local: int, guests: int) -> tuple[LocalBatch, LocalBatch]:

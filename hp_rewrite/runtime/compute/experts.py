@@ -534,9 +534,9 @@ def local_experts_forward(
     return y
 
 
-def expert_weights(module: nn.Module, layout: ExpertsLayout, fp8: bool = False) -> dict:
-    """Every weight of the local experts as their GEMMs read it (``_weight_of``), by name."""
-    return {n: _weight_of(module, layout, n, fp8) for n in layout.roles}
+def expert_weights(module: nn.Module, layout: ExpertsLayout, fp8: bool = False, names=None) -> dict:
+    """The local experts' weights (``names``, default all) as their GEMMs read them (``_weight_of``)."""
+    return {n: _weight_of(module, layout, n, fp8) for n in (layout.roles if names is None else names)}
 
 
 def _weight_of(module: nn.Module, layout: ExpertsLayout, name: str, fp8: bool = False):

@@ -170,6 +170,22 @@ def stored_param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     return module._parameters.get(name)
 
 
+def lora_factors(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, list] | None:
+    """Parameter ``name`` as stored and the ``(lhs, rhs, scaling)`` terms PEFT's LoRA adds to it while its
+    forward runs (``W + scaling * lhs @ rhs``, each ``[E, ., .]``), or None: no LoRA on it, or one PEFT
+    holds as a dense delta (several adapters), or a kept-quantised weight (:func:`projection_of`)."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrizations is None or name not in parametrizations:
+        return None
+    stored, terms = parametrizations[name].original, []
+    for proxy in parametrizations[name]:
+        lhs, rhs, scaling = (getattr(proxy, a, None) for a in ("lhs", "rhs", "scaling"))
+        if lhs is None or rhs is None or isinstance(stored, QuantizedWeight):
+            return None
+        terms.append((lhs, rhs, float(scaling)))
+    return stored, terms
+
+
 @dataclass
 class QuantizedProjection:
     """A kept-quantised weight and the LoRA terms PEFT adds to it while its forward runs."""

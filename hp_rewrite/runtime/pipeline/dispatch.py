@@ -84,6 +84,10 @@ class DispatchStats:
     rank_rows: torch.Tensor | None = None  # [2, ep] slots sent to each rank's experts: as placed, as computed
     lent: int = 0  # runtime.balance: experts whose weights this rank lent / computed for another rank
     guests: int = 0
+    # runtime.balance: bytes of this rank's lent experts as they travel (weights, or codes and scales, and
+    # LoRA factors), and of their gradients coming back to it in the backward
+    lent_bytes: int = 0
+    lent_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,7 @@ def _launch(state: RoutedDispatch, c: Counted) -> tuple[list[Chunk], replicas.Le
         else None
     stats.lent, stats.guests = sum(sends), sum(recvs)  # anything moves (the same on every rank): all or none lend
     return chunks, replicas.Lending(state.placement.num_local, host[-1] > 0, c.decision.send_local, sends, recvs,
-                                    link, dtype)
+                                    link, dtype, stats)
 
 
 def shared_beside(state: RoutedDispatch, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
