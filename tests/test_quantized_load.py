@@ -185,6 +185,10 @@ def test_cost_of_lora_on_kept_experts(name, checkpoints, tmp_path, capsys) -> No
     held = sum(lay["memory"]["expert_params"] - lay["memory"]["expert_grads"] for lay in layers)
     assert held == experts / 2
     assert all(lay["memory"]["expert_optimizer"] == 2 * lay["memory"]["expert_grads"] > 0 for lay in layers)
+    # runtime.balance's copies of these experts: their codes and the factors go, only the factors' gradient returns
+    assert main([*args, "--lora", "4", "--keep-quantized", "--balance-skew", "2", "--json"]) == 0
+    copy = json.loads(capsys.readouterr().out)["balance"]["copy"]
+    assert 0 < copy["returned_bytes"] < copy["sent_bytes"], copy
     assert main([*args, "--lora", "4"]) == 0  # dequantised: the experts in bf16
     assert "frozen expert weights + LoRA r=4 states" in capsys.readouterr().out
     assert main([*args, "--keep-quantized"]) == 2

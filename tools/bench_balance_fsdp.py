@@ -124,7 +124,7 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
     ref = _model(args)
     skew_router(ref, args.biases)
     ids = _batch(args, world)[rank * args.batch : (rank + 1) * args.batch]  # the same batch every iteration
-    runtime = {"off": "{balance: off}", "auto": f"{{balance: auto, balance_min_rows: {args.min_rows}}}"}
+    runtime = {"off": "{balance: \"off\"}", "auto": f"{{balance: auto, balance_min_rows: {args.min_rows}}}"}
     models = {}
     for name in ("off", "auto"):
         plan = parse_plan(f"version: 1\nep_size: {EP}\nruntime: {runtime[name]}\n")

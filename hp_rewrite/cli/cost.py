@@ -184,5 +184,7 @@ def cost(args: CostArgs, request) -> int:
         console.print(f"balance (runtime.balance: auto, ep {b.ep}): rows max/mean {b.skew:.2f} -> {b.balanced_skew:.2f}, "
                       f"{b.lent} expert copies per layer and step, the busiest rank's expert time "
                       f"{b.time_off_s * 1e3:.3g} -> {b.time_on_s * 1e3:.3g} ms (x{b.ratio:.3f}): balancing {verdict} "
-                      f"(a copy pays from {b.min_rows} rows: runtime.balance_min_rows)", highlight=False)
+                      f"(a copy pays from {b.min_rows} rows: runtime.balance_min_rows; it sends "
+                      f"{b.copy.sent_bytes / 2**20:.3g} MiB and gets {b.copy.returned_bytes / 2**20:.3g} MiB back)",
+                      highlight=False)
     return 0

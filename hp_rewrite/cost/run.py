@@ -85,7 +85,7 @@ class CostReport:
                 "lines": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.colocated],
                 "total_bytes": self.colocated_total, "capacity_bytes": self.hardware.memory_bytes},
             "balance": None if self.balance is None else {**vars(self.balance), "ratio": self.balance.ratio,
-                                                          "pays": self.balance.pays},
+                                                          "pays": self.balance.pays, "copy": vars(self.balance.copy)},
         }
 
 
@@ -183,24 +183,27 @@ def estimate_cost(req: CostRequest) -> CostReport:
             raise UserError(f"no ep (with a tp among {list(req.tp_sizes or (par.tp,))} and a cp among "
                             f"{list(req.cp_sizes or (par.cp,))}) divides both the world size {req.world_size} "
                             "and the experts")
-    balance = _balance(req, plan, spec, par, work, hw, dtype_bytes) if req.balance_skew is not None else None
+    balance = _balance(req, plan, spec, par, work, hw, dtype_bytes, kept) if req.balance_skew is not None else None
     return CostReport(spec, result, step_time(result, hw), hw, cands, reserve, load_bytes(model, config, par.ep),
                       colocated, balance)
 
 
-def _balance(req: CostRequest, plan, spec, par, work, hw, dtype_bytes: int):
+def _balance(req: CostRequest, plan, spec, par, work, hw, dtype_bytes: int, kept: float | None):
     """``runtime.balance`` on the first MoE layer for a batch of ``--balance-skew`` (:mod:`.balance`): the plan's
-    knobs when it turns balancing on, else the defaults with the break-even rows of ``hw``."""
+    knobs when it turns balancing on, else the defaults with the break-even rows of ``hw``. With ``--lora`` a
+    lent expert sends its frozen weights (``--keep-quantized``: its codes and scales) and its factors."""
     from .balance import forecast
+    from .per_rank import lora_params
 
     lay, knobs = spec.layers[0], plan.runtime
     on = knobs.balance == "auto"
     rows = work.seq_len * work.micro_batch * lay.top_k / (par.tp * par.cp)
     try:
         return forecast(ep=par.ep, num_experts=lay.num_experts, rows_per_rank=rows,
-                        matmul_params=lay.routed.matmul_params, weight_bytes=dtype_bytes, hw=hw, skew=req.balance_skew,
-                        threshold=knobs.balance_threshold, min_rows=knobs.balance_min_rows if on else None,
-                        replicas=knobs.balance_replicas)
+                        matmul_params=lay.routed.matmul_params, weight_bytes=kept or dtype_bytes, hw=hw,
+                        skew=req.balance_skew, threshold=knobs.balance_threshold,
+                        min_rows=knobs.balance_min_rows if on else None, replicas=knobs.balance_replicas,
+                        lora_params=lora_params(lay.routed, req.lora) if req.lora else 0.0)
     except ValueError as e:
         raise UserError(f"--balance-skew: {e}") from e
 
