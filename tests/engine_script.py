@@ -306,10 +306,10 @@ def _fp8_checkpoint(out: Path) -> Path:
     return checkpoint
 
 
-def _kept_fp8_model(model_dir, art: Path):
+def _kept_fp8_model(model_dir, art: Path, plan: Path = ROOT / "plans" / "auto-ep2.yaml"):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    with hp_rewrite.auto_patch(ROOT / "plans" / "auto-ep2.yaml", artifact_dir=art):
+    with hp_rewrite.auto_patch(plan, artifact_dir=art):
         return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
                                                     quantization_config=FineGrainedFP8Config(dequantize=False))
 

@@ -99,16 +99,19 @@ def _ep_model(model_dir: str, out: Path, dtype=None, balanced: bool = False):
     """The model at EP 2 (plans/auto-ep2.yaml); ``balanced``: with runtime.balance forced on (any
     imbalance, any piece moves), so that every layer lends rows."""
     kwargs = {} if dtype is None else {"dtype": dtype}
-    plan = ROOT / "plans" / "auto-ep2.yaml"
-    if balanced:
-        plan = out / "balanced-ep2.yaml"
-        if dist.get_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            plan.write_text("version: 1\nep_size: 2\nruntime: {balance: auto, balance_threshold: 1.0, "
-                            "balance_min_rows: 1}\n")
-        dist.barrier()
+    plan = _balanced_plan(out) if balanced else ROOT / "plans" / "auto-ep2.yaml"
     return hp_rewrite.from_pretrained(model_dir, plan=plan, artifact_dir=out / "art", attn_implementation="eager",
                                       **kwargs)
+
+
+def _balanced_plan(out: Path) -> Path:
+    """EP 2 with runtime.balance forced on (any imbalance, any piece moves), written by rank 0."""
+    plan = out / "balanced-ep2.yaml"
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        plan.write_text("version: 1\nep_size: 2\nruntime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1}\n")
+    dist.barrier()
+    return plan
 
 
 def _reference(model_dir: str):
@@ -367,8 +370,8 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     on the concatenated batch; the adapters sharded with their experts over the expert replicas;
     save_model and checkpoints hold the adapter plain PEFT reads; a second Trainer resumes from
     checkpoint-1 and ends where the first did. ``kept_fp8``: a DeepSeek-V3 block-FP8 checkpoint with its
-    experts kept as codes (FSDP2 leaves them out), LoRA on every Linear too, against the unmodified model
-    loaded with ``dequantize=True``."""
+    experts kept as codes (FSDP2 leaves them out), LoRA on every Linear too, runtime.balance forced on (the
+    codes and the adapters' factors travel), against the unmodified model loaded with ``dequantize=True``."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from tests.engine_script import (
@@ -387,7 +390,7 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     if kept_fp8:
         config["target_modules"] = "all-linear"
         model_dir, load_ref = _fp8_checkpoint(out), _dequantised_fp8
-        load_ep = lambda d, o: _kept_fp8_model(d, o / "art")  # noqa: E731
+        load_ep = lambda d, o: _kept_fp8_model(d, o / "art", _balanced_plan(o))  # noqa: E731 (balanced, #61)
     ref = get_peft_model(load_ref(model_dir), LoraConfig(**config))
     torch.manual_seed(5)  # replicated adapters alike on every rank
     model = get_peft_model(load_ep(model_dir, out), LoraConfig(**config))
@@ -405,7 +408,8 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     adapter = next(p for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n)
     result = {"worst": _lora_worst(model, ref), "worst_name": "lora", "grad_norm": _grad_norms(trainer),
               "ref_norms": ref_norms, "is_fsdp": trainer.is_fsdp_enabled, **_sharding(trainer.model),
-              "adapter_mesh": adapter.device_mesh.size(), "adapter_rows": [adapter.to_local().shape[0], adapter.shape[0]]}
+              "adapter_mesh": adapter.device_mesh.size(), "adapter_rows": [adapter.to_local().shape[0], adapter.shape[0]],
+              "lent_or_guests": lent_or_guests(trainer.model)}
     trainer.save_model(str(out / "lora" / "final"))
     want = _lora_state(model)
     if dist.get_rank() == 0:  # plain transformers + PEFT read the adapter the run wrote
@@ -624,14 +628,14 @@ def case_grpo(model_dir, out):
 
 def case_grpo_lora(model_dir, out):
     """GRPOTrainer with fsdp_config version 2 and LoRA on attention and the experts (each rank's expert
-    adapters its own draw), one step (fp32) against the unmodified PEFT model with the same adapters under
-    the same FSDP2 policy: the same logs and the same adapters after the step."""
+    adapters its own draw) and runtime.balance forced on, one step (fp32) against the unmodified PEFT model
+    with the same adapters under the same FSDP2 policy: the same logs and the same adapters after the step."""
 
     from tests.engine_script import _grpo_both, _lora_pair, _lora_state
 
     config = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model, ref = _lora_pair(_ep_model(model_dir, out), _reference(model_dir), config)
+    model, ref = _lora_pair(_ep_model(model_dir, out, balanced=True), _reference(model_dir), config)
     before = _lora_state(ref)
     trainers, logs = _grpo_both(model_dir, out / "grpo_lora", {"ref": ref, "ep": model},
                                 trainer_class=_forced_trainer_class, fsdp=True, fsdp_config=_fsdp_config())
@@ -640,7 +644,8 @@ def case_grpo_lora(model_dir, out):
     worst, worst_name = _lora_worst(model, trainers["ref"].model)
     return {"is_fsdp": trainers["ep"].is_fsdp_enabled, **_sharding(trainers["ep"].model),
             "worst": worst, "worst_name": worst_name, "moved": max((after[k] - before[k]).abs().max().item() for k in before),
-            "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": trainers["ep"].args.gradient_checkpointing}
+            "logs": logs["ep"], "ref_logs": logs["ref"], "checkpointing": trainers["ep"].args.gradient_checkpointing,
+            "lent_or_guests": lent_or_guests(trainers["ep"].model)}
 
 
 def case_refusals(model_dir, out):

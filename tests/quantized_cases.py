@@ -282,6 +282,11 @@ def kept_case(rank: int, world: int, payload: dict) -> dict:
         ours = ddp(input_ids=ids[mine], labels=ids[mine])
         r["logits_rel"] = _rel(ours.logits, theirs.logits[mine])
         r["lent_or_guests"] = lent_or_guests(peft_ep)  # runtime.balance: the codes and adapters travelled
+        # bytes a lent expert sent (all layers), against its dequantised weights (fp32 here)
+        stats = [st for _, h in installed.holders(peft_ep) if (st := installed.last_stats(h)) is not None and st.lent]
+        dense = next(m for m in full.modules() if type(m).__name__.endswith("Experts"))
+        r["lent_bytes"] = [st.lent_bytes / st.lent for st in stats]
+        r["dense_bytes"] = sum(p[0].numel() * p.element_size() for p in dense.parameters())
         theirs.loss.backward()
         ours.loss.backward()
         trainable = [n for n, p in peft_ep.named_parameters() if p.requires_grad]

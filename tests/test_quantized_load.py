@@ -107,6 +107,7 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert "kept quantised" in kept["training_refused"] and "requires grad" in kept["training_refused"]
             # runtime.balance forced on: experts lent as their codes and scales with their adapters (#61)
             assert kept["lent_or_guests"] > 0 and kept["fsdp_lent_or_guests"] > 0, (name, rank, kept)
+            assert all(b < kept["dense_bytes"] / 2 for b in kept["lent_bytes"]), (name, rank, kept)  # not decoded
             # under hp_rewrite.fully_shard: the codes left as loaded, the adapters sharded, one more step exact
             # (at EP 2: twice the experts per rank, their adapters sharded over the 2 expert replicas)
             assert kept["fsdp_codes_kept"] == kept["kept"] and kept["fsdp_adapters_sharded"], (name, rank, kept)
@@ -114,6 +115,7 @@ def test_ep2_and_ep4_local_experts_bit_equal_step_and_save(checkpoints, tmp_path
             assert kept["fsdp_grad_worst"] <= TOL and kept["fsdp_step_worst"] <= TOL, (name, rank, kept)
             assert "keeps its experts quantised (dequantize=False)" in kept["dcp_refused"], kept
         assert ranks[0]["kept"][name]["saved_mismatched"] == []  # a full save: the dequantised checkpoint
+        assert any(r["kept"][name]["lent_bytes"] for r in ranks), name  # some rank lent experts
 
 
 @pytest.mark.parametrize(("config", "named"), [

@@ -76,12 +76,14 @@ def expected(model_type: str, fmt: str, dequantized: bool, lora: bool, h: int, i
 def rank_main(rank: int, world: int, payload: dict) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import FineGrainedFP8Config, Mxfp4Config
+    from transformers.utils.logging import disable_progress_bar
 
     import hp_rewrite
     from hp_rewrite.plan import parse_plan
     from hp_rewrite.runtime import installed
 
     torch.set_num_threads(1)
+    disable_progress_bar()
     args = argparse.Namespace(**payload)
     out = {}
     for label, _, fmt, dequantized, lora in CASES:
