@@ -140,26 +140,27 @@ def run_rank(rank: int, world: int, payload: dict) -> dict:
             model, opt = models[name]
             opt.zero_grad(set_to_none=True)
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
             loss = _loss(model(input_ids=ids).logits, ids)
             loss.backward()
             opt.step()
-            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-            seen[name] = (wall, cpu, loss.detach().reshape(1))
+            seen[name] = (time.perf_counter() - wall, time.thread_time() - cpu, loss.detach().reshape(1),
+                          time.process_time() - proc)  # the last: every thread's, gloo's included
         losses = {n: seen[n][2].clone() for n in seen}
         for n in losses:
             dist.all_reduce(losses[n])  # the world's mean loss, up to the factor
         err = ((losses["auto"] - losses["off"]).abs() / losses["off"].abs()).item()
         first = err if first is None else first  # both models still hold the same weights
         loads, lent = _loads(models["auto"][0], ep)
-        times = torch.tensor([[seen[n][0], seen[n][1]] for n in ("off", "auto")])
+        times = torch.tensor([[seen[n][0], seen[n][1], seen[n][3]] for n in ("off", "auto")])
         gathered = [torch.zeros_like(times) for _ in range(world)]
         dist.all_gather(gathered, times)
-        slowest = torch.stack(gathered).max(0).values  # [variant, (wall, cpu)]: the slower rank's
+        slowest = torch.stack(gathered).max(0).values  # [variant, (wall, cpu, process cpu)]: the slower rank's
+        total = torch.stack(gathered)[:, :, 2].sum(0)  # [variant]: every rank's process CPU, the machine's work
         if it >= args.warmup:
             records.append({"off": slowest[0].tolist(), "auto": slowest[1].tolist(), "layers": loads,
                             "before": max(b for b, _ in loads), "after": max(a for _, a in loads), "lent": lent,
-                            "max_rel_err": err, "loss": (losses["off"] / world).item()})
+                            "total_cpu": total.tolist(), "max_rel_err": err, "loss": (losses["off"] / world).item()})
     return {"records": records, "replicas": ep.replica_size, "first_loss_rel_diff": first}
 
 
@@ -170,6 +171,7 @@ def summary(records: list[dict]) -> dict:
     out["layers"] = [[statistics.median(r["layers"][i][j] for r in records) for j in (0, 1)]
                      for i in range(len(records[0]["layers"]))]
     out["cpu_ms_off"] = 1e3 * statistics.median(r["off"][1] for r in records)
+    out["total_cpu_ratio"] = statistics.median(r["total_cpu"][1] / r["total_cpu"][0] for r in records)
     return out
 
 
@@ -214,7 +216,8 @@ def main() -> None:
         layers = ", ".join(f"L{i} {b:.2f} -> {a:.2f}" for i, (b, a) in enumerate(s["layers"]))
         print(f"{world} ranks (EP {EP} x {per_rank[0]['replicas']} replicas, min_rows {args.min_rows}): rows max/mean "
               f"{layers}; lent {s['lent_per_step']:.0f}/step; wall x{s['wall_ratio']:.3f} (off {s['wall_ms_off']:.0f} ms), "
-              f"busiest rank's CPU x{s['cpu_ratio']:.3f} (off {s['cpu_ms_off']:.0f} ms); loss rel diff: first iteration "
+              f"busiest rank's CPU x{s['cpu_ratio']:.3f} (off {s['cpu_ms_off']:.0f} ms), all ranks' "
+              f"process CPU x{s['total_cpu_ratio']:.3f}; loss rel diff: first iteration "
               f"{first_err:.1e}, timed ones at most {s['max_rel_err']:.1e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

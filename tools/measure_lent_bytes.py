@@ -18,7 +18,7 @@ expert, checked against a hand count (bf16 2 bytes a value; FP8 1 byte + an fp32
 block; MXFP4 half a byte + a 1-byte scale per 32 values; LoRA r x (in + out) per matrix, in bf16: PEFT
 casts the factors to the weight's dtype; gpt-oss's bf16 biases travel too, frozen under LoRA).
 
-    python tools/measure_lent_bytes.py                       # about two minutes on 2 CPU cores
+    python tools/measure_lent_bytes.py                       # about a minute on 2 CPU cores (checkpoints: once)
     python tools/measure_lent_bytes.py --hidden 1024 --moe-intermediate 512 --lora-rank 8
 """
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=32)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("bench-results/lent-bytes"),
                    help="where the checkpoints are written (reused when present)")

@@ -5,8 +5,11 @@ The lending happens inside the experts holder's own call (:func:`local_forward`,
 module's ``__call__``), so the weights lent are the ones the owner's own rows meet there: FSDP2 has
 gathered its shards (an HSDP replica's too) and PEFT's LoRA on the experts is applied (the weight plus
 its adapter's delta, differentiable to the factors). The lent copies' gradients return by autograd
-inside the same backward; FSDP2 reduces an experts holder's gradient after the whole backward (its
-call takes a :class:`LocalBatch`, no tensor argument), so they are in the owner's shard's gradient.
+inside the same backward, so they are in what FSDP2 reduces into the owner's shard: a block-level
+holder's call takes a :class:`LocalBatch` (no tensor), so FSDP2 reduces its gradient after the whole
+backward; an experts-level one is called with the tokens, and FSDP2 reduces once their gradient is done,
+which comes after the copies' return (the lending's autograd nodes are made after the dispatch's, and of
+two ready nodes autograd runs the later-made first; tests/test_fsdp.py checks it with checkpointing).
 
 The owner picks the lent experts out of each stacked weight (:class:`_Lent`: its backward adds an
 expert's copies' gradients in a fixed order, one small matmul, no atomics) and sends them with the
