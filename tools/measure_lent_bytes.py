@@ -18,7 +18,7 @@ expert, checked against a hand count (bf16 2 bytes a value; FP8 1 byte + an fp32
 block; MXFP4 half a byte + a 1-byte scale per 32 values; LoRA r x (in + out) per matrix, in bf16: PEFT
 casts the factors to the weight's dtype; gpt-oss's bf16 biases travel too, frozen under LoRA).
 
-    python tools/measure_lent_bytes.py                       # about a minute on 2 CPU cores (checkpoints: once)
+    python tools/measure_lent_bytes.py                       # 1-2 minutes on 2 CPU cores (+ the checkpoints once)
     python tools/measure_lent_bytes.py --hidden 1024 --moe-intermediate 512 --lora-rank 8
 """
 

@@ -32,19 +32,20 @@ class LentExpert:
     """What one lent expert costs on the wire and saves in FLOPs per row.
 
     A trained expert sends its weights (``b`` bytes a value) and gets their gradient back, ``2 P b``, and a
-    row saves ``6 P`` FLOPs. A frozen one with LoRA of rank ``r`` (PEFT's fp32 factors, ``A`` of them)
-    sends its weights as held (kept quantised: the codes and scales, ``b`` their bytes a value) and the
-    factors, ``P b + 4 A``, gets back only the factors' gradient, ``4 A``, and a row saves the forward and
-    the input gradient, ``4 P`` (plus the factors' ``6 A``)."""
+    row saves ``6 P`` FLOPs. A frozen one with LoRA (``A`` factor values, which PEFT hands over in the
+    weight's dtype, ``f`` bytes a value) sends its weights as held (kept quantised: the codes and scales,
+    ``b`` their bytes a value) and the factors, ``P b + f A``, gets back only the factors' gradient,
+    ``f A``, and a row saves the forward and the input gradient, ``4 P`` (plus the factors' ``6 A``)."""
 
     sent_bytes: float
     returned_bytes: float
     row_flops: float
 
     @classmethod
-    def of(cls, matmul_params: int, weight_bytes: float, lora_params: float = 0.0) -> LentExpert:
+    def of(cls, matmul_params: int, weight_bytes: float, lora_params: float = 0.0,
+           factor_bytes: float = 2.0) -> LentExpert:
         if lora_params:
-            return cls(matmul_params * weight_bytes + 4 * lora_params, 4 * lora_params,
+            return cls(matmul_params * weight_bytes + factor_bytes * lora_params, factor_bytes * lora_params,
                        4 * matmul_params + 6 * lora_params)
         return cls(matmul_params * weight_bytes, matmul_params * weight_bytes, 6 * matmul_params)
 
@@ -77,12 +78,12 @@ class BalanceForecast:
 
 def forecast(*, ep: int, num_experts: int, rows_per_rank: float, matmul_params: int, weight_bytes: float,
              hw: Hardware, skew: float, threshold: float = 1.1, min_rows: int | None = None,
-             replicas: int = 2, lora_params: float = 0.0) -> BalanceForecast:
+             replicas: int = 2, lora_params: float = 0.0, factor_bytes: float = 2.0) -> BalanceForecast:
     """The busiest rank's expert time for rows ``rows_per_rank`` per rank on average (tokens x top-k),
     one rank's experts taking ``skew`` times the mean (evenly among them), experts of ``matmul_params``
     weights each held in ``weight_bytes`` a value (kept quantised: the codes' and scales'), with LoRA of
-    ``lora_params`` per expert on a frozen base when given (:class:`LentExpert`); ``min_rows`` None: the
-    break-even rows."""
+    ``lora_params`` per expert (in ``factor_bytes`` a value) on a frozen base when given
+    (:class:`LentExpert`); ``min_rows`` None: the break-even rows."""
     import torch
 
     from ..runtime.balance.decide import moves
@@ -97,7 +98,7 @@ def forecast(*, ep: int, num_experts: int, rows_per_rank: float, matmul_params: 
     hot, rest = total * skew / ep, total * (1 - skew / ep)
     loads = [hot / local] * local + [rest / (num_experts - local)] * (num_experts - local)
     per_slot = torch.tensor([round(x) for x in loads], dtype=torch.int64)
-    lent = LentExpert.of(matmul_params, weight_bytes, lora_params)
+    lent = LentExpert.of(matmul_params, weight_bytes, lora_params, factor_bytes)
     min_rows = min_rows if min_rows is not None else max(1, math.ceil(lent.break_even_rows(hw)))
     options = RuntimeOptions(balance="auto", balance_threshold=threshold, balance_min_rows=min_rows,
                              balance_replicas=replicas)

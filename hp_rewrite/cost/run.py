@@ -203,7 +203,7 @@ def _balance(req: CostRequest, plan, spec, par, work, hw, dtype_bytes: int, kept
                         matmul_params=lay.routed.matmul_params, weight_bytes=kept or dtype_bytes, hw=hw,
                         skew=req.balance_skew, threshold=knobs.balance_threshold,
                         min_rows=knobs.balance_min_rows if on else None, replicas=knobs.balance_replicas,
-                        lora_params=lora_params(lay.routed, req.lora) if req.lora else 0.0)
+                        lora_params=lora_params(lay.routed, req.lora) if req.lora else 0.0, factor_bytes=dtype_bytes)
     except ValueError as e:
         raise UserError(f"--balance-skew: {e}") from e
 
