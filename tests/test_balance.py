@@ -100,6 +100,9 @@ def test_options_and_plan_validate_the_balance_knobs() -> None:
     assert plan.runtime.to_options().balance_min_rows == 256
     assert plan.hash() != parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: auto\n").hash()
     assert parse_plan("version: 1\nep_size: 2\n").runtime.to_options().balance == "off"  # transformers' behaviour
+    # a bare `off` is YAML's false: read as the choice the docs and error messages name
+    assert parse_plan("version: 1\nep_size: 2\nruntime: {balance: off}\n").runtime.balance == "off"
+    assert parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: off\n").runtime.balance == "off"
     assert parse_plan("version: 1\nep_size: 2\ntp_size: 2\nruntime:\n  balance: auto\n").tp_size == 2  # composes
     assert parse_plan("version: 1\nep_size: 2\nruntime:\n  balance: auto\nrouting:\n  replay_rollout: true\n")
 

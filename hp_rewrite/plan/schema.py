@@ -132,6 +132,12 @@ class RuntimeSection(_Section):
     balance_min_rows: int = Field(1024, ge=1)
     balance_replicas: int = Field(2, ge=1)
 
+    @field_validator("balance", mode="before")
+    @classmethod
+    def _balance_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: `balance: off` (what the docs and errors say) means "off"
+        return "off" if value is False else value
+
     def to_options(self) -> RuntimeOptions:
         """The runtime's options; imported lazily so reading a plan never imports torch."""
         from hp_rewrite.runtime.options import RuntimeOptions
