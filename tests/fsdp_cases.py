@@ -90,6 +90,7 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
         opt.zero_grad()
     out["worst"], out["worst_name"] = _compare(model, ref, lambda p: p.detach())
     out["guests"] = lent_or_guests(model)
+    out["lent_bytes"] = lent_bytes(model)[0]
     if payload.get("save"):  # gathered one layer at a time; plain transformers loads the trained model
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM

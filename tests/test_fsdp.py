@@ -100,13 +100,18 @@ def test_fully_shard_trains_saves_and_loads_peft_adapters_on_the_experts(case: s
 
 
 def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> None:
-    """bf16 parameters (FSDP2's param_dtype), fp32 reduction; runtime.balance on: the weights lent in bf16."""
+    """bf16 parameters (FSDP2's param_dtype), fp32 reduction; runtime.balance on with 2 chunks: the weights
+    lent in bf16, once per layer (FSDP2's mixed precision copies the call's dataclasses: the chunks still
+    share one lending, whose bytes are counted)."""
+    plan = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1, chunks: 2}\n"
     payload = {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0, "bf16": True,
-               "out_dir": str(tmp_path), "plan": BALANCED}
-    for rank, r in enumerate(run_world(2, "tests.fsdp_cases:fsdp_training", payload)):
+               "out_dir": str(tmp_path), "plan": plan}
+    results = run_world(2, "tests.fsdp_cases:fsdp_training", payload)
+    for rank, r in enumerate(results):
         assert r["grad_worst"] <= BF16_TOL, (rank, r["grad_worst_name"], r["grad_worst"])
         assert r["worst"] <= BF16_TOL, (rank, r["worst_name"], r["worst"])
         assert r["guests"] > 0, r
+    assert sum(r["lent_bytes"] for r in results) > 0, results
 
 
 def test_fully_shard_refuses_what_does_not_compose(tmp_path: Path) -> None:

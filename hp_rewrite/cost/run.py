@@ -85,7 +85,8 @@ class CostReport:
                 "lines": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.colocated],
                 "total_bytes": self.colocated_total, "capacity_bytes": self.hardware.memory_bytes},
             "balance": None if self.balance is None else {**vars(self.balance), "ratio": self.balance.ratio,
-                                                          "pays": self.balance.pays, "copy": vars(self.balance.copy)},
+                                                          "pays": self.balance.pays,
+                                                          "copy": self.balance.copy and vars(self.balance.copy)},
         }
 
 

@@ -5,11 +5,13 @@ The lending happens inside the experts holder's own call (:func:`local_forward`,
 module's ``__call__``), so the weights lent are the ones the owner's own rows meet there: FSDP2 has
 gathered its shards (an HSDP replica's too) and PEFT's LoRA on the experts is applied (the weight plus
 its adapter's delta, differentiable to the factors). The lent copies' gradients return by autograd
-inside the same backward, so they are in what FSDP2 reduces into the owner's shard: a block-level
-holder's call takes a :class:`LocalBatch` (no tensor), so FSDP2 reduces its gradient after the whole
-backward; an experts-level one is called with the tokens, and FSDP2 reduces once their gradient is done,
-which comes after the copies' return (the lending's autograd nodes are made after the dispatch's, and of
-two ready nodes autograd runs the later-made first; tests/test_fsdp.py checks it with checkpointing).
+inside the same backward, before FSDP2 reduces the owner's gradient: FSDP2 reduces a holder's gradient
+once the gradient of the call's input rows (``LocalBatch.hidden``, or the tokens of an experts-level
+call) is done, and the copies' return path (the exchange back, :class:`_Lent`, the weight's or the
+factors' accumulation) is made of autograd nodes created after that call began, with no other input,
+which autograd runs first of the nodes ready together (it runs the later-made first); a late chunk's
+reduction is redone by FSDP2 when an earlier chunk's backward gathers the weights again, or at the end
+of the backward. tests/test_fsdp.py checks it (checkpointing, chunks, mixed precision, experts level).
 
 The owner picks the lent experts out of each stacked weight (:class:`_Lent`: its backward adds an
 expert's copies' gradients in a fixed order, one small matmul, no atomics) and sends them with the
@@ -31,7 +33,7 @@ from torch.autograd import Function
 
 from .. import installed
 from ..compute.batch import LocalBatch
-from ..compute.experts import ExpertsLayout, expert_weights, local_experts_forward
+from ..compute.experts import ExpertsLayout, local_experts_forward, local_weights
 from ..compute.quantized import QuantizedProjection, lora_factors
 from ..transport import comm
 
@@ -146,24 +148,25 @@ class Guests:
         return [t for p in self.parts.values() for t in p.received()]
 
 
-@dataclass
 class Lending:
     """One layer's balancing as its chunks' batches carry it into the holder's call.
 
     moves: whether any rank lends this layer (the same on every rank: all of them exchange weights, or
     none). sends / recvs: expert weights this rank sends to / receives from each rank (host ints).
     send_local: this rank's experts to send, destination-major. dtype: the autocast dtype the weights
-    travel in. The first chunk's call lends (:attr:`guests`), the later chunks reuse what it received."""
+    travel in. stats: the layer's DispatchStats (the lent bytes are added to it). The first chunk's call
+    lends (:attr:`guests`), the later chunks reuse what it received.
 
-    num_local: int
-    moves: bool
-    send_local: torch.Tensor
-    sends: list[int]
-    recvs: list[int]
-    link: object
-    dtype: torch.dtype | None
-    stats: object  # the layer's DispatchStats: the lent bytes are added to it
-    guests: Guests | None = None
+    Not a dataclass on purpose: FSDP2's mixed precision copies every dataclass in a call's arguments
+    (``dataclasses.replace``) to cast its tensors, and the chunks must share this one object."""
+
+    __slots__ = ("num_local", "moves", "send_local", "sends", "recvs", "link", "dtype", "stats", "guests")
+
+    def __init__(self, num_local: int, moves: bool, send_local: torch.Tensor, sends: list[int], recvs: list[int],
+                 link, dtype: torch.dtype | None, stats) -> None:
+        self.num_local, self.moves, self.send_local, self.sends, self.recvs = num_local, moves, send_local, sends, recvs
+        self.link, self.dtype, self.stats = link, dtype, stats
+        self.guests: Guests | None = None
 
 
 def local_forward(module: nn.Module, batch: LocalBatch, layout: ExpertsLayout) -> torch.Tensor:
@@ -204,7 +207,7 @@ def lend(holder: nn.Module, layout: ExpertsLayout, send_local: torch.Tensor, sen
     the call's runtime.fp8_gemm (the guests' GEMMs run as the owner's would)."""
     index = send_local[: sum(sends)]
     factored = {n: lora_factors(holder, n) for n in layout.roles}
-    weights = expert_weights(holder, layout, fp8, [n for n, f in factored.items() if f is None])
+    weights = local_weights(holder, layout, fp8, [n for n, f in factored.items() if f is None])
     return Guests({n: _Parts(weights.get(n), factored[n], index, sends, recvs, link, dtype) for n in layout.roles},
                   sum(recvs))
 

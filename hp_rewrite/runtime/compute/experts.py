@@ -472,7 +472,7 @@ def local_experts_forward(
     if layout.modules and module.training:
         expert_modules.refuse_training_dropout(module, layout.held)
     x = batch.hidden
-    weights = weights or expert_weights(module, layout, batch.fp8_gemm)
+    weights = weights or local_weights(module, layout, batch.fp8_gemm)
     amp = _autocast_dtype(x)
     choice = kernel_choice(batch.compute, module, x.device.type, amp or x.dtype, layout, weights=weights,
                            weight_dtype=amp)
@@ -534,7 +534,7 @@ def local_experts_forward(
     return y
 
 
-def expert_weights(module: nn.Module, layout: ExpertsLayout, fp8: bool = False, names=None) -> dict:
+def local_weights(module: nn.Module, layout: ExpertsLayout, fp8: bool = False, names=None) -> dict:
     """The local experts' weights (``names``, default all) as their GEMMs read them (``_weight_of``)."""
     return {n: _weight_of(module, layout, n, fp8) for n in (layout.roles if names is None else names)}
 
