@@ -123,6 +123,19 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
     return out
 
 
+def fsdp_training_cases(rank: int, world: int, payload: dict) -> dict:
+    """Several :func:`fsdp_training` cases in one world (one start-up): {case: its result}, each case
+    in its own folder."""
+    return {name: fsdp_training(rank, world, {**case, "out_dir": str(Path(payload["out_dir"]) / name)})
+            for name, case in payload["cases"].items()}
+
+
+def dcp_resume_cases(rank: int, world: int, payload: dict) -> dict:
+    """Several :func:`dcp_resume` cases in one world: {case: its result}, each case in its own folder."""
+    return {name: dcp_resume(rank, world, {**case, "out_dir": str(Path(payload["out_dir"]) / name)})
+            for name, case in payload["cases"].items()}
+
+
 def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
     """What does not compose with hp_rewrite.fully_shard ends in a clear error on every rank."""
     torch.set_num_threads(1)

@@ -45,10 +45,28 @@ CASES = {  # id: (world, payload)
 }
 
 
+# bf16 parameters (FSDP2's param_dtype), fp32 reduction; runtime.balance on with 2 chunks
+MIXED = {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0, "bf16": True,
+         "plan": "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1, chunks: 2}\n"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """Every fsdp_training case, all the cases of one world size in one world: {case: [rank results]}."""
+    out, results = tmp_path_factory.mktemp("fsdp"), {}
+    cases = {**CASES, "mixed-precision": (2, MIXED)}
+    for world in sorted({w for w, _ in cases.values()}):
+        mine = {name: payload for name, (w, payload) in cases.items() if w == world}
+        ranks = run_world(world, "tests.fsdp_cases:fsdp_training_cases", {"cases": mine, "out_dir": str(out)},
+                          timeout=900)
+        results.update({name: [r[name] for r in ranks] for name in mine})
+    return results
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_fully_shard_steps_equal_unmodified(case: str, tmp_path: Path) -> None:
+def test_fully_shard_steps_equal_unmodified(case: str, trained: dict) -> None:
     world, payload = CASES[case]
-    for rank, r in enumerate(run_world(world, "tests.fsdp_cases:fsdp_training", {**payload, "out_dir": str(tmp_path)})):
+    for rank, r in enumerate(trained[case]):
         assert r["grad_worst"] <= TOL, (rank, r["grad_worst_name"], r["grad_worst"])
         assert r["worst"] <= TOL, (rank, r["worst_name"], r["worst"])
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), r  # every parameter once
@@ -99,14 +117,11 @@ def test_fully_shard_trains_saves_and_loads_peft_adapters_on_the_experts(case: s
         assert sum(r["lent_bytes"] for r in results) > 0, results
 
 
-def test_fully_shard_mixed_precision_within_bf16_tolerance(tmp_path: Path) -> None:
+def test_fully_shard_mixed_precision_within_bf16_tolerance(trained: dict) -> None:
     """bf16 parameters (FSDP2's param_dtype), fp32 reduction; runtime.balance on with 2 chunks: the weights
     lent in bf16, once per layer (FSDP2's mixed precision copies the call's dataclasses: the chunks still
     share one lending, whose bytes are counted)."""
-    plan = "runtime: {balance: auto, balance_threshold: 1.0, balance_min_rows: 1, chunks: 2}\n"
-    payload = {"ep_size": 2, "steps": 2, "optimizer": "adamw", "lr": 1e-3, "max_norm": 1.0, "bf16": True,
-               "out_dir": str(tmp_path), "plan": plan}
-    results = run_world(2, "tests.fsdp_cases:fsdp_training", payload)
+    results = trained["mixed-precision"]
     for rank, r in enumerate(results):
         assert r["grad_worst"] <= BF16_TOL, (rank, r["grad_worst_name"], r["grad_worst"])
         assert r["worst"] <= BF16_TOL, (rank, r["worst_name"], r["worst"])
@@ -173,15 +188,24 @@ DCP_CASES = {  # id: (ep, sharded) when saved; loads: (ep, sharded, over a (dp_r
 }
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    """Every DCP case in one 4-rank world: {case: rank 0's result}."""
+    cases = {}
+    for case, ((ep_save, shard_save), loads, *model_type) in DCP_CASES.items():
+        cases[case] = {"ep_save": ep_save, "shard_save": shard_save, "loads": loads,
+                       "model_type": (model_type or ["qwen3_moe"])[0]}
+    payload = {"cases": cases, "out_dir": str(tmp_path_factory.mktemp("dcp"))}
+    return run_world(4, "tests.fsdp_cases:dcp_resume_cases", payload, timeout=900)[0]
+
+
 @pytest.mark.parametrize("case", list(DCP_CASES))
-def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: str, tmp_path: Path) -> None:
+def test_distributed_checkpoint_resumes_at_the_same_and_another_ep_size(case: str, resumed: dict) -> None:
     """Save model + AdamW after one step, load into a fresh model and optimizer, take the second
     step: the weights equal the uninterrupted run's (bit for bit at the same EP size; at another the
     gradients are summed in another order)."""
-    (ep_save, shard_save), loads, *model_type = DCP_CASES[case]
-    payload = {"out_dir": str(tmp_path), "ep_save": ep_save, "shard_save": shard_save, "loads": loads,
-               "model_type": (model_type or ["qwen3_moe"])[0]}
-    r = run_world(4, "tests.fsdp_cases:dcp_resume", payload)[0]
+    (ep_save, _), loads, *_ = DCP_CASES[case]
+    r = resumed[case]
     assert r["moved"] > 1e-3, r  # the steps changed every weight: the comparison means something
     for (ep, _, _), worst in zip(loads, r["worst"], strict=True):
         assert worst <= (0.0 if ep == ep_save else TOL), (ep, r)
