@@ -202,8 +202,9 @@ def refusal(experts: nn.Module, holder: nn.Module | None) -> str | None:
 def lend(holder: nn.Module, layout: ExpertsLayout, send_local: torch.Tensor, sends: list[int], recvs: list[int],
          link, dtype: torch.dtype | None, fp8: bool = False) -> Guests:
     """Start sending this rank's lent experts' weights (``send_local``, destination-major, ``sends[r]`` to
-    rank ``r``) and receiving ``recvs[r]`` experts from each rank ``r``. ``dtype``: the autocast dtype
-    (dense weights and LoRA factors travel in it; kept codes and scales as they are stored). ``fp8``:
+    rank ``r``) and receiving ``recvs[r]`` experts from each rank ``r``. ``dtype``: the autocast dtype a
+    dense weight travels in (a weight under LoRA and its factors travel in their own dtypes, kept codes
+    and scales as stored: :class:`_Parts`). ``fp8``:
     the call's runtime.fp8_gemm (the guests' GEMMs run as the owner's would)."""
     index = send_local[: sum(sends)]
     factored = {n: lora_factors(holder, n) for n in layout.roles}

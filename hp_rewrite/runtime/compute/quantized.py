@@ -170,19 +170,27 @@ def stored_param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     return module._parameters.get(name)
 
 
-def lora_factors(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, list] | None:
-    """Parameter ``name`` as stored and the ``(lhs, rhs, scaling)`` terms PEFT's LoRA adds to it while its
-    forward runs (``W + scaling * lhs @ rhs``, each ``[E, ., .]``), or None: no LoRA on it, or one PEFT
-    holds as a dense delta (several adapters), or a kept-quantised weight (:func:`projection_of`)."""
+def _factor_terms(module: torch.nn.Module, name: str) -> tuple[list, torch.nn.Module | None]:
+    """The ``(lhs, rhs, scaling)`` terms PEFT's LoRA adds to parameter ``name`` of ``module`` while its
+    forward runs (``W + scaling * lhs @ rhs``, each ``[E, ., .]``), in order, and the first proxy that holds
+    no factors (PEFT's dense delta, with several adapters), or None."""
     parametrizations = getattr(module, "parametrizations", None)
-    if parametrizations is None or name not in parametrizations:
-        return None
-    stored, terms = parametrizations[name].original, []
-    for proxy in parametrizations[name]:
+    terms = []
+    for proxy in parametrizations[name] if parametrizations is not None and name in parametrizations else ():
         lhs, rhs, scaling = (getattr(proxy, a, None) for a in ("lhs", "rhs", "scaling"))
-        if lhs is None or rhs is None or isinstance(stored, QuantizedWeight):
-            return None
+        if lhs is None or rhs is None:
+            return terms, proxy
         terms.append((lhs, rhs, float(scaling)))
+    return terms, None
+
+
+def lora_factors(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, list] | None:
+    """Parameter ``name`` as stored and the terms PEFT's LoRA adds to it (:func:`_factor_terms`), or None:
+    no LoRA on it, or one PEFT holds as a dense delta, or a kept-quantised weight (:func:`projection_of`)."""
+    stored = stored_param(module, name)
+    terms, dense = _factor_terms(module, name)
+    if not terms or dense is not None or isinstance(stored, QuantizedWeight):
+        return None
     return stored, terms
 
 
@@ -222,16 +230,12 @@ def projection_of(module: torch.nn.Module, name: str, owner: str,
         raise ExpertParallelError(
             f"{where} is kept quantised ({stored.stored.method}) and requires grad: its codes cannot be trained; "
             "freeze it (LoRA on it trains), or load the model with dequantize=True")
-    terms = []
-    parametrizations = getattr(module, "parametrizations", None)
-    for proxy in parametrizations[name] if parametrizations is not None and name in parametrizations else ():
-        lhs, rhs, scaling = (getattr(proxy, a, None) for a in ("lhs", "rhs", "scaling"))
-        if lhs is None or rhs is None:
-            raise ExpertParallelError(
-                f"{where} is kept quantised and carries a {type(proxy).__name__}: only one LoRA adapter at a time "
-                "(PEFT's factored form) is applied to kept-quantised experts; activate one adapter, or load the "
-                "model with dequantize=True")
-        terms.append((lhs, rhs, float(scaling)))
+    terms, dense = _factor_terms(module, name)
+    if dense is not None:
+        raise ExpertParallelError(
+            f"{where} is kept quantised and carries a {type(dense).__name__}: only one LoRA adapter at a time "
+            "(PEFT's factored form) is applied to kept-quantised experts; activate one adapter, or load the "
+            "model with dequantize=True")
     return QuantizedProjection(stored, terms, where, chunk_bytes, fp8_gemm=fp8)
 
 
