@@ -175,7 +175,7 @@ def _torchrun(script: Path, *args: str, timeout: int = 900) -> subprocess.Comple
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-12000:]
     return run
 
 
