@@ -370,8 +370,8 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     on the concatenated batch; the adapters sharded with their experts over the expert replicas;
     save_model and checkpoints hold the adapter plain PEFT reads; a second Trainer resumes from
     checkpoint-1 and ends where the first did. ``kept_fp8``: a DeepSeek-V3 block-FP8 checkpoint with its
-    experts kept as codes (FSDP2 leaves them out), LoRA on every Linear too, against the unmodified model
-    loaded with ``dequantize=True``. (Balanced kept codes under FSDP2: tests/quantized_cases.py.)"""
+    experts kept as codes (FSDP2 leaves them out), LoRA on every Linear too, runtime.balance forced on (the
+    codes and the adapters' factors travel), against the unmodified model loaded with ``dequantize=True``."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from tests.engine_script import (
@@ -390,7 +390,7 @@ def case_trainer_lora_experts(model_dir, out, kept_fp8: bool = False):
     if kept_fp8:
         config["target_modules"] = "all-linear"
         model_dir, load_ref = _fp8_checkpoint(out), _dequantised_fp8
-        load_ep = lambda d, o: _kept_fp8_model(d, o / "art")  # noqa: E731
+        load_ep = lambda d, o: _kept_fp8_model(d, o / "art", _balanced_plan(o))  # noqa: E731 (balanced, #61)
     ref = get_peft_model(load_ref(model_dir), LoraConfig(**config))
     torch.manual_seed(5)  # replicated adapters alike on every rank
     model = get_peft_model(load_ep(model_dir, out), LoraConfig(**config))

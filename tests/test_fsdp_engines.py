@@ -40,7 +40,7 @@ def _world(nproc: int, cases: list[str], tmp_path_factory) -> dict:
          str(ROOT / "tests" / "fsdp_engine_script.py"), str(model), str(out), *cases],
         capture_output=True, text=True, timeout=1200, cwd=ROOT,
     )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-12000:]
     return {c: [json.loads((out / f"{c}-rank{r}.json").read_text()) for r in range(nproc)] for c in cases}
 
 
@@ -179,11 +179,13 @@ def test_ddp_trainer_lora_at_ep2_by_two_replicas(four) -> None:
 
 def test_trainer_fsdp2_lora_on_kept_fp8_experts(two) -> None:
     """A DeepSeek-V3 block-FP8 checkpoint, experts kept as codes (FSDP2 leaves them as loaded), LoRA on
-    every Linear and the experts: exact against the dequantised unmodified model, resumed bit for bit."""
+    every Linear and the experts, runtime.balance forced on: exact against the dequantised unmodified model,
+    resumed bit for bit."""
     results = two["trainer_lora_fp8_kept"]
     for r in results:
         assert r["is_fsdp"] and r["fsdp2"] and r["dense_mesh"] == 2 and r["codes_kept"] > 0, r
         assert r["expert_mesh"] == 0, r  # the kept experts are not DTensors: each rank's codes as read
+        assert r["lent_or_guests"] > 0, r  # runtime.balance forced on: codes and factors travelled (#61)
         _exact(r)
         assert r["resume_worst"] == 0.0, r
     assert results[0]["reload_final"] == 0.0 and results[0]["reload_checkpoint-3"] == 0.0, results[0]
