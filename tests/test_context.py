@@ -4,9 +4,10 @@ One gloo world of 4 ranks runs the whole-model cases (context 2 x data 2 with EP
 EP 4 and 2, EP 1, tp 2 x context 2): the logits of the whole sequence on every rank (with
 ``context.logits: local``, this rank's positions, and a loss of the caller's own from them), transformers' own loss with its
 load-balancing loss, and every gradient after ``sync_gradients`` or inside DDP, fp32 within 1e-5 of the
-largest reference value, bf16 within 3e-2 (the EP parity tests' bf16 tolerance). A world of 2 runs the
-plain case of each kind of attention. Every case asserts that the decoder layers ran on this rank's share
-of the sequence. What cannot be split is refused with the field to change.
+largest reference value (LoRA's factor gradients within 1e-4: :data:`LORA_GRAD_TOL`), bf16 within 3e-2
+(the EP parity tests' bf16 tolerance). A world of 2 runs the plain case of each kind of attention. Every
+case asserts that the decoder layers ran on this rank's share of the sequence. What cannot be split is
+refused with the field to change.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import pytest
 
 from hp_rewrite.launch import run_world
 from tests.context_cases import BF16_TOL, TOL
+
+# LoRA's factor gradients (fp32), relative to each factor's largest: the sum order of the CPU's BLAS shows
+# in them, as in no other gradient here. Measured on the lora cases, worst of any rank: an Intel CPU with
+# MKL's AVX-512 kernels 2.6e-5, the same with MKL_CBWR=AVX2 1.3e-5, MKL_CBWR=COMPATIBLE and AMD hosts under
+# 1e-5 (logits and loss stay within TOL everywhere)
+LORA_GRAD_TOL = 1e-4
 
 # every family whose tiny model has transformers' decoder layout, at context 2 x data 2 with EP 2; sliding
 # windows (gpt-oss, Mixtral) narrowed to 4 positions so they cut the 12-position sequence; gpt-oss's sinks
@@ -119,7 +126,7 @@ def _check(results: list[dict], case: dict) -> None:
         assert got["dense_split"] == (case.get("tp", 1) > 1), f"rank {rank}: {got}"
         assert got["logits"] <= tol, f"rank {rank} (positions from {start}): {got}"
         assert got["loss"] <= tol, f"rank {rank}: {got}"
-        assert got["grad"] <= tol, f"rank {rank}: {got}"
+        assert got["grad"] <= (LORA_GRAD_TOL if case.get("lora") and not case.get("bf16") else tol), f"rank {rank}: {got}"
         if case.get("balance"):
             assert sum(r[case["id"]]["moved"] for r in results) > 0, "balancing moved no rows"
 
