@@ -123,17 +123,18 @@ def fsdp_training(rank: int, world: int, payload: dict) -> dict:
     return out
 
 
-def fsdp_training_cases(rank: int, world: int, payload: dict) -> dict:
-    """Several :func:`fsdp_training` cases in one world (one start-up): {case: its result}, each case
-    in its own folder."""
-    return {name: fsdp_training(rank, world, {**case, "out_dir": str(Path(payload["out_dir"]) / name)})
+def _each_case(run, rank: int, world: int, payload: dict) -> dict:
+    """Several cases of ``run`` in one world (one start-up): {case: its result}, each in its own folder."""
+    return {name: run(rank, world, {**case, "out_dir": str(Path(payload["out_dir"]) / name)})
             for name, case in payload["cases"].items()}
+
+
+def fsdp_training_cases(rank: int, world: int, payload: dict) -> dict:
+    return _each_case(fsdp_training, rank, world, payload)
 
 
 def dcp_resume_cases(rank: int, world: int, payload: dict) -> dict:
-    """Several :func:`dcp_resume` cases in one world: {case: its result}, each case in its own folder."""
-    return {name: dcp_resume(rank, world, {**case, "out_dir": str(Path(payload["out_dir"]) / name)})
-            for name, case in payload["cases"].items()}
+    return _each_case(dcp_resume, rank, world, payload)
 
 
 def fsdp_refusals(rank: int, world: int, payload: dict) -> dict:
